@@ -1,0 +1,1 @@
+"""pretrain: long-context pretraining with linear-time token mixers."""
