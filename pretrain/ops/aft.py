@@ -1,0 +1,225 @@
+"""AFT — the Attention Free Transformer (Zhai et al. 2021): per-channel attention with a learned position bias.
+
+REFERENCE §5. Layout ``[B, T, C]`` (AFT has no heads except AFT-conv's kernel groups).
+``Y_t = σ(Q_t) ⊙ Σ_{t'} e^{K_{t'} + w_{t,t'}} ⊙ V_{t'} / Σ_{t'} e^{K_{t'} + w_{t,t'}}``; causal: ``t' ≤ t``.
+
+- ``aft_full``: any bias ``w [T_max, T_max]``; O(T·C) memory beside the bias by two matmuls with ``e^w``.
+- ``aft_local``: a relative bias inside a window of ``s`` tokens and **0 outside** (distant tokens still count):
+  ``num = Σ_all e^K V + Σ_{|t−t'|<s} (e^w − 1) e^K V`` (den: V → 1). Causal form: chunks with a running max.
+- ``aft_simple``: no bias — a (prefix) softmax over positions, per channel.
+- ``aft_conv2d``: per-head s×s relative biases on an image grid, as a depthwise convolution.
+Each has a naive O(T²·C) reference built on ``aft_full_naive``, the one oracle.
+"""
+import torch
+import torch.nn.functional as F
+
+from .documents import document_mask, document_positions, per_document
+from .precision import upcast
+
+
+def aft_full_naive(q, k, v, w, *, causal=True, cu_seqlens=None):
+    """The definition: for each (t, channel) a masked softmax over t' of ``K_{t'} + w_{t,t'}``.
+
+    With ``cu_seqlens`` the bias is indexed by positions within each document.
+    """
+    total = k.shape[1]
+    allowed = document_mask(total, cu_seqlens, causal=causal, device=k.device)
+    positions = document_positions(total, cu_seqlens, device=k.device)
+    q, k, v_acc, w = upcast(q, k, v, w)
+    bias = w[positions[:, None], positions[None, :]]  # [t, t']
+    logits = (k[:, None, :, :] + bias[None, :, :, None]).masked_fill(~allowed[None, :, :, None], float("-inf"))
+    weights = torch.softmax(logits, dim=2)  # over t'
+    return (torch.sigmoid(q) * torch.einsum("btjc,bjc->btc", weights, v_acc)).to(v.dtype)
+
+
+def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None):
+    """q, k, v ``[B, T, C]``, w ``[T_max, T_max]`` with T ≤ T_max (its top-left T×T block is used) → ``[B, T, C]``.
+
+    Stable O(T·C) evaluation: ``num = e^w @ (e^K ⊙ V)``, ``den = e^w @ e^K`` after subtracting the per-channel max
+    of K and the per-row max of w (both cancel in the ratio).
+    """
+    _check_same_shape("aft_full", q, k, v)
+    longest = k.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if w.dim() != 2 or w.shape[0] != w.shape[1] or w.shape[0] < longest:
+        raise ValueError(
+            f"aft_full: bias w has shape {tuple(w.shape)}; it must be square with T_max ≥ the sequence "
+            f"length {longest} (AFT-full has no form beyond its T_max)"
+        )
+    if cu_seqlens is not None:
+        return per_document(aft_full, cu_seqlens, q, k, v, w=w, causal=causal)
+    total = k.shape[1]
+    q, k, v_acc, w = upcast(q, k, v, w[:total, :total])
+    if causal:
+        w = w.masked_fill(~torch.ones_like(w, dtype=torch.bool).tril(), float("-inf"))
+    exp_w = (w - w.max(dim=1, keepdim=True).values.detach()).exp()
+    exp_k = (k - k.max(dim=1, keepdim=True).values.detach()).exp()
+    num = torch.matmul(exp_w, exp_k * v_acc)
+    den = torch.matmul(exp_w, exp_k)
+    return (torch.sigmoid(q) * num / den).to(v.dtype)
+
+
+def local_bias_matrix(w_rel, total, *, window, causal):
+    """The dense ``[T, T]`` bias of AFT-local: ``w_rel`` at offsets inside the window, 0 outside."""
+    offset = torch.arange(total, device=w_rel.device)[:, None] - torch.arange(total, device=w_rel.device)[None, :]
+    index = offset if causal else offset + window - 1
+    inside = (offset.abs() < window) & (index >= 0) & (index < w_rel.shape[0])
+    return torch.where(inside, w_rel[index.clamp(0, w_rel.shape[0] - 1)], torch.zeros((), dtype=w_rel.dtype))
+
+
+def aft_local_naive(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None):
+    _check_local_bias(w_rel, window, causal)
+    bias = local_bias_matrix(w_rel, k.shape[1], window=window, causal=causal)
+    return aft_full_naive(q, k, v, bias, causal=causal, cu_seqlens=cu_seqlens)
+
+
+def aft_local(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None, chunk_size=64):
+    """AFT-local with a relative bias: ``w_rel[i]`` is the bias at offset ``t − t' = i`` (causal, ``[window]``)
+    or ``t − t' = i − (window − 1)`` (non-causal, ``[2·window − 1]``); 0 for ``|t − t'| ≥ window``.
+
+    Causal: chunks of ``max(chunk_size, window)`` tokens, so the band reaches back one chunk at most.
+    Non-causal: global sums plus a 1-D convolution with kernel ``e^w − 1``.
+    """
+    _check_same_shape("aft_local", q, k, v)
+    _check_local_bias(w_rel, window, causal)
+    if cu_seqlens is not None:
+        return per_document(aft_local, cu_seqlens, q, k, v, w_rel=w_rel, window=window, causal=causal,
+                            chunk_size=chunk_size)
+    if causal:
+        return _causal_chunked(q, k, v, w_rel, max(chunk_size, window))
+    q, k, v_acc, w_rel = upcast(q, k, v, w_rel)
+    exp_k = (k - k.max(dim=1, keepdim=True).values.detach()).exp()
+    kernel = (w_rel.exp() - 1).flip(0)  # conv1d correlates: tap i reads offset t − t' = (window − 1) − i
+
+    def band(x):  # [B, T, C] → Σ_{|t−t'|<window} (e^{w(t−t')} − 1) x_{t'}
+        batch, total, channels = x.shape
+        rows = x.transpose(1, 2).reshape(batch * channels, 1, total)
+        out = F.conv1d(rows, kernel.view(1, 1, -1), padding=window - 1)
+        return out.view(batch, channels, total).transpose(1, 2)
+
+    num = (exp_k * v_acc).sum(dim=1, keepdim=True) + band(exp_k * v_acc)
+    den = exp_k.sum(dim=1, keepdim=True) + band(exp_k)
+    return (torch.sigmoid(q) * num / den).to(v.dtype)
+
+
+def aft_simple_naive(q, k, v, *, causal=True, cu_seqlens=None):
+    no_bias = k.new_zeros(k.shape[1], k.shape[1])
+    return aft_full_naive(q, k, v, no_bias, causal=causal, cu_seqlens=cu_seqlens)
+
+
+def aft_simple(q, k, v, *, causal=True, cu_seqlens=None, chunk_size=64):
+    """AFT-simple: ``σ(Q_t) ⊙ Σ_{t'} softmax_{t'}(K) ⊙ V_{t'}``; causal: a per-channel prefix softmax."""
+    _check_same_shape("aft_simple", q, k, v)
+    if cu_seqlens is not None:
+        return per_document(aft_simple, cu_seqlens, q, k, v, causal=causal, chunk_size=chunk_size)
+    if causal:
+        return _causal_chunked(q, k, v, None, chunk_size)
+    q, k, v_acc = upcast(q, k, v)
+    pooled = (torch.softmax(k, dim=1) * v_acc).sum(dim=1, keepdim=True)
+    return (torch.sigmoid(q) * pooled).to(v.dtype)
+
+
+def _causal_chunked(q, k, v, w_rel, chunk):
+    """Causal AFT-local (or AFT-simple when ``w_rel`` is None), chunk by chunk.
+
+    The global part is a prefix sum carried as ``(Σ e^{K−m} V, Σ e^{K−m}, m)`` with ``m`` the running per-channel
+    max of K up to the end of the current chunk; the band ``(e^w − 1)`` spans the current and previous chunk.
+    Every ``e^{K−m}`` is ≤ 1; a prefix whose keys all lie ~80 below a later key of the same chunk would
+    underflow (0/0), far outside what learned keys do.
+    """
+    q, k, v_acc = upcast(q, k, v)
+    batch, total, channels = k.shape
+    if w_rel is not None:
+        window = w_rel.shape[0]
+        # band[t, j]: weight of frame position j (previous chunk, then current) for current-chunk row t
+        offset = torch.arange(chunk, device=k.device)[:, None] + chunk - torch.arange(2 * chunk, device=k.device)
+        inside = (offset >= 0) & (offset < window)
+        band = torch.where(inside, w_rel.to(k.dtype).exp()[offset.clamp(0, window - 1)] - 1, torch.zeros((), dtype=k.dtype))
+    num_state = k.new_zeros(batch, channels)
+    den_state = k.new_zeros(batch, channels)
+    running_max = k.new_full((batch, channels), float("-inf"))
+    previous = None  # (e^{K}, e^{K} V) of the previous chunk, relative to its own max
+    outputs = []
+    for start in range(0, total, chunk):
+        kc, vc = k[:, start:start + chunk], v_acc[:, start:start + chunk]
+        size = kc.shape[1]
+        new_max = torch.maximum(running_max, kc.max(dim=1).values).detach()
+        rescale = (running_max - new_max).exp()
+        exp_k = (kc - new_max[:, None]).exp()
+        global_num = num_state[:, None] * rescale[:, None] + (exp_k * vc).cumsum(dim=1)
+        global_den = den_state[:, None] * rescale[:, None] + exp_k.cumsum(dim=1)
+        num, den = global_num, global_den
+        if w_rel is not None:
+            frame_k, frame_kv = exp_k, exp_k * vc
+            if previous is not None:
+                prev_k, prev_kv = (x * rescale[:, None] for x in previous)
+                frame_k, frame_kv = torch.cat([prev_k, frame_k], 1), torch.cat([prev_kv, frame_kv], 1)
+            rows = band[:size, chunk + size - frame_k.shape[1]: chunk + size]
+            num = num + torch.einsum("tj,bjc->btc", rows, frame_kv)
+            den = den + torch.einsum("tj,bjc->btc", rows, frame_k)
+            previous = (exp_k, exp_k * vc)
+        outputs.append(torch.sigmoid(q[:, start:start + chunk]) * num / den)
+        num_state, den_state, running_max = global_num[:, -1], global_den[:, -1], new_max
+    return torch.cat(outputs, dim=1).to(v.dtype)
+
+
+def aft_conv2d_naive(q, k, v, w, *, hw, heads):
+    """Per head, a dense T×T bias from the s×s kernel (2-D offsets inside it, 0 outside), then ``aft_full_naive``."""
+    _check_conv(q, k, v, w, hw, heads)
+    height, width = hw
+    size = w.shape[-1]
+    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    rows, cols = rows.reshape(-1).to(w.device), cols.reshape(-1).to(w.device)
+    dy = rows[None, :] - rows[:, None] + size // 2  # t' − t, shifted into kernel indices
+    dx = cols[None, :] - cols[:, None] + size // 2
+    inside = (dy >= 0) & (dy < size) & (dx >= 0) & (dx < size)
+    group = k.shape[-1] // heads
+    outputs = []
+    for head in range(heads):
+        bias = torch.where(inside, w[head][dy.clamp(0, size - 1), dx.clamp(0, size - 1)], torch.zeros((), dtype=w.dtype))
+        piece = slice(head * group, (head + 1) * group)
+        outputs.append(aft_full_naive(q[..., piece], k[..., piece], v[..., piece], bias, causal=False))
+    return torch.cat(outputs, dim=-1)
+
+
+def aft_conv2d(q, k, v, w, *, hw, heads):
+    """AFT-conv: q, k, v ``[B, H·W, C]`` on an image grid ``hw``, w ``[heads, s, s]`` (s odd; C/heads channels
+    share a kernel). ``Y = σ(Q) ⊙ [conv(e^K V, e^w − 1) + Σ e^K V] / [conv(e^K, e^w − 1) + Σ e^K]``.
+    """
+    _check_conv(q, k, v, w, hw, heads)
+    height, width = hw
+    batch, total, channels = k.shape
+    size = w.shape[-1]
+    q, k, v_acc, w = upcast(q, k, v, w)
+    exp_k = (k - k.max(dim=1, keepdim=True).values.detach()).exp()
+    kernel = (w.exp() - 1).repeat_interleave(channels // heads, dim=0)[:, None]  # [C, 1, s, s]
+
+    def conv(x):
+        grid = x.transpose(1, 2).reshape(batch, channels, height, width)
+        out = F.conv2d(grid, kernel, padding=size // 2, groups=channels)
+        return out.reshape(batch, channels, total).transpose(1, 2)
+
+    num = conv(exp_k * v_acc) + (exp_k * v_acc).sum(dim=1, keepdim=True)
+    den = conv(exp_k) + exp_k.sum(dim=1, keepdim=True)
+    return (torch.sigmoid(q) * num / den).to(v.dtype)
+
+
+def _check_same_shape(name, q, k, v):
+    if not (q.dim() == 3 and q.shape == k.shape == v.shape):
+        raise ValueError(f"{name}: q, k, v must share one shape [B, T, C]; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+
+
+def _check_local_bias(w_rel, window, causal):
+    expected = window if causal else 2 * window - 1
+    if window < 1 or tuple(w_rel.shape) != (expected,):
+        raise ValueError(f"aft_local: w_rel has shape {tuple(w_rel.shape)}; window={window} "
+                         f"{'causal' if causal else 'non-causal'} needs ({expected},)")
+
+
+def _check_conv(q, k, v, w, hw, heads):
+    _check_same_shape("aft_conv2d", q, k, v)
+    if hw is None or hw[0] * hw[1] != k.shape[1]:
+        raise ValueError(f"aft_conv2d: hw={hw} does not tile the {k.shape[1]} tokens")
+    if k.shape[-1] % heads or w.dim() != 3 or w.shape[0] != heads or w.shape[1] != w.shape[2] or w.shape[1] % 2 == 0:
+        raise ValueError(f"aft_conv2d: w has shape {tuple(w.shape)}; need [heads={heads}, s, s] with s odd and "
+                         f"channels {k.shape[-1]} divisible by heads")

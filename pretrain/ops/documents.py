@@ -1,0 +1,54 @@
+"""Packed documents for ops whose fast form is a per-sequence scan: run the op once per document.
+
+A scan that resets at every document start is the same thing as the scan run on each document alone; looping
+in Python costs one call per document, which is cheap next to the work inside for documents of useful length.
+"""
+import torch
+
+
+def document_slices(cu_seqlens: torch.Tensor) -> list[slice]:
+    """``cu_seqlens`` (int offsets, 0 … T) as one slice per document along the token axis."""
+    offsets = cu_seqlens.tolist()
+    return [slice(start, end) for start, end in zip(offsets[:-1], offsets[1:]) if end > start]
+
+
+def per_document(op, cu_seqlens: torch.Tensor, *tensors: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``op`` applied to each document of the packed ``tensors`` (batch 1, tokens on dim 1), outputs joined."""
+    total = tensors[0].shape[1]
+    if tensors[0].shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {tensors[0].shape[0]}")
+    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+        raise ValueError(f"cu_seqlens must run from 0 to T={total}; got {cu_seqlens.tolist()}")
+    pieces = [op(*(t[:, piece] for t in tensors), **kwargs) for piece in document_slices(cu_seqlens)]
+    return torch.cat(pieces, dim=1)
+
+
+def document_ids(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
+    """``[T]`` long: the index of the document each token belongs to (all 0 without ``cu_seqlens``)."""
+    doc = torch.zeros(total, dtype=torch.long, device=device)
+    if cu_seqlens is not None:
+        starts = cu_seqlens[1:-1].long().to(device)
+        doc[starts[starts < total]] = 1
+        doc = doc.cumsum(0)
+    return doc
+
+
+def document_positions(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
+    """``[T]`` long: each token's position within its own document."""
+    positions = torch.arange(total, device=device)
+    if cu_seqlens is None:
+        return positions
+    starts = cu_seqlens.long().to(device).unique_consecutive()  # empty documents share an offset
+    return positions - starts[document_ids(total, cu_seqlens, device)]
+
+
+def document_mask(total: int, cu_seqlens: torch.Tensor | None, *, causal: bool, device=None) -> torch.Tensor:
+    """``[T, T]`` bool: may token t (row) see token j (column)? Same document, and j ≤ t when causal.
+
+    The naive references use it; the fast forms never build a T×T matrix.
+    """
+    doc = document_ids(total, cu_seqlens, device)
+    allowed = doc[:, None] == doc[None, :]
+    if causal:
+        allowed &= torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    return allowed
