@@ -1,0 +1,79 @@
+"""Linear attention (REFERENCE §1, §4, §7): ``o_t = φ(q_t)ᵀ S_t``, normalized, with a state carried across calls.
+
+One public entry, ``linear_attention``, checks its inputs once and hands them to an implementation:
+``naive`` (the O(T²) definition, the oracle), ``chunk`` (chunked parallel form, CPU/CUDA), ``recurrent``
+(token by token, for decoding) and ``triton`` (CUDA kernels). Every implementation module exposes
+``linear_attention_<impl>(q, k, v, *, causal, normalize, eps, cu_seqlens, initial_state, output_final_state,
+chunk_size)`` with the inputs already checked, and returns ``o`` or ``(o, LinearAttentionState)``.
+"""
+import importlib
+
+import torch
+
+from .naive import linear_attention_naive
+from .state import FIELDS, LinearAttentionState, check_state
+
+NORMALIZATIONS = tuple(FIELDS)
+IMPLS = ("auto", "naive", "chunk", "recurrent", "triton")
+
+
+def linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, normalize: str = "divisive",
+    eps: float = 1e-6, cu_seqlens: torch.Tensor | None = None, initial_state: LinearAttentionState | None = None,
+    output_final_state: bool = False, chunk_size: int = 64, impl: str = "auto",
+):
+    """Linear attention over ``[B, T, H, D]`` (q, k already feature-mapped; v ``[B, T, H, Dv]``).
+
+    normalize: ``none`` (φ(q)ᵀS), ``divisive`` (φ(q)ᵀS / (φ(q)·z + eps)) or ``subtractive`` (InLine).
+    causal: prefix sums (inclusive) or, when False, the sums over the whole sequence (or document).
+    cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
+    initial_state / output_final_state: a ``LinearAttentionState`` per sequence (or per document), so a long
+    sequence can be processed in pieces and decoding can continue from a prefix.
+    Returns ``o`` in the input dtype, or ``(o, final_state)`` with an fp32 state.
+    """
+    _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl)
+    if initial_state is not None:
+        num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and _triton_available() else "chunk"
+    run = getattr(importlib.import_module(f".{impl}", __name__), f"linear_attention_{impl}")
+    return run(q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
+               initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _triton_available() -> bool:
+    try:
+        importlib.import_module(".triton", __name__)
+    except ImportError:
+        return False
+    return True
+
+
+def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
+    if normalize not in NORMALIZATIONS:
+        raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"linear_attention wants q, k [B, T, H, D] and v [B, T, H, Dv]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] == 0:
+        raise ValueError("linear_attention got an empty sequence (T = 0)")
+    if not (q.dtype == k.dtype == v.dtype and q.is_floating_point()):
+        raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two; got {chunk_size!r}")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {q.shape[0]}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be 1-D integer offsets [N + 1]; got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != q.shape[1] or any(b <= a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={q.shape[1]} (no empty documents); "
+                             f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
+
+
+__all__ = ["linear_attention", "linear_attention_naive", "LinearAttentionState", "NORMALIZATIONS", "IMPLS"]
