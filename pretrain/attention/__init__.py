@@ -5,3 +5,4 @@ Each mixer module registers itself with ``@register(name)``; importing it here i
 from .registry import REGISTRY, build_mixer, mixer_options, register
 
 # Mixer modules (one import line each; the import registers the name):
+from . import softmax

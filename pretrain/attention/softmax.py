@@ -1,0 +1,51 @@
+"""``softmax``: multi-head softmax attention with RoPE, the baseline mixer."""
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..ops import apply_rope, softmax_attention
+from .registry import register
+
+
+@register("softmax")
+class SoftmaxAttention(nn.Module):
+    """q/k/v/o projections around ``pretrain.ops.softmax_attention``; RoPE on q and k from ``position_ids``.
+
+    ``qk_norm`` RMS-normalizes q and k per head before RoPE, which keeps attention logits bounded in large models.
+    """
+
+    supports_causal: ClassVar[bool] = True
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, rope_theta: float = 10000.0,
+                 qk_norm: bool = False):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        if self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension; dim {dim} / num_heads {num_heads} = {self.head_dim}")
+        self.causal, self.rope_theta = causal, rope_theta
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+
+    def forward(self, x, *, cu_seqlens=None, position_ids=None):
+        batch, seq_len, _ = x.shape
+        heads = (batch, seq_len, self.num_heads, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(heads))
+        k = self.k_norm(self.k_proj(x).view(heads))
+        v = self.v_proj(x).view(heads)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
+        q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        if cu_seqlens is not None:  # packed documents: one row of B*T tokens
+            q, k, v = (t.reshape(1, batch * seq_len, self.num_heads, self.head_dim) for t in (q, k, v))
+        out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
+        return self.o_proj(out.reshape(batch, seq_len, self.dim))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Four projections plus q·k and weights·v against ``seq_len`` keys (half of them when causal)."""
+        projections = 4 * 2 * self.dim * self.dim
+        keys = seq_len / 2 if self.causal else seq_len
+        return projections + 2 * 2 * keys * self.dim

@@ -1,0 +1,288 @@
+"""One structured schema for a run: every key typed, documented and checked before any work starts.
+
+``load_config(path, overrides)`` merges a YAML file and dotted ``key=value`` overrides onto the schema below,
+refuses unknown keys, wrong types, missing values and impossible combinations with a ``ConfigError`` that names
+the key, and fills ``model.vocab_size`` from the tokenizer when it is 0. Importing this module does not import
+DeepSpeed.
+"""
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration; ``key`` is the dotted key (or file) at fault and leads the message."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"  # everything the run makes: config.yaml, tensorboard/, checkpoints/
+    seed: int = 0  # model init, data order and dropout all derive from it
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0 → taken from the tokenizer (data.tokenizer) at load time
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_hidden: int = 0  # SwiGLU width; 0 → 8/3·dim rounded up to multiple_of
+    multiple_of: int = 64
+    norm_eps: float = 1.0e-5
+    tie_embeddings: bool = True  # LM head shares the embedding matrix
+    rope_theta: float = 10000.0  # RoPE base for every mixer with a rope_theta option (softmax)
+    init_std: float = 0.02  # N(0, init_std) weights; residual output projections scaled by 1/√(2·n_layers)
+    mixer: str = "softmax"  # the default mixer of every layer (a name in pretrain.attention.REGISTRY)
+    layer_pattern: list[str] = field(default_factory=list)  # e.g. [linear, linear, linear, softmax]; [] → [mixer]
+    mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per mixer name: {option: value}
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str = MISSING  # PREFIX.model, a sentencepiece model
+    train_shards: str = MISSING  # webdataset pattern, brace expansion ok
+    val_shards: str | None = None
+    allow_pipe: bool = False  # pipe: URLs run shell commands; refused unless true
+    shuffle_buffer: int = 1000
+    num_workers: int = 1
+    skip_corrupt: bool = False  # true: a corrupt shard mid-run is logged, counted, skipped
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 1024
+    micro_batch_size: int = 4  # per rank
+    grad_accum_steps: int = 1
+    max_steps: int = 1000
+    grad_clip: float = 1.0  # max global gradient norm; 0 → no clipping
+    max_nonfinite_steps: int = 5  # K non-finite losses in a row stop the run
+
+
+@dataclass
+class OptimConfig:  # AdamW
+    lr: float = 3.0e-4
+    min_lr: float = 3.0e-5
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1.0e-8
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 100
+    decay_steps: int = 0  # wsd's final decay (steps)
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = 0  # 0..3: 1 shards optimizer states, 2 also gradients, 3 also weights
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    offload_optimizer: bool = False  # optimizer states in CPU memory (ZeRO ≥ 1)
+    offload_params: bool = False  # weights in CPU memory (ZeRO 3)
+    activation_checkpointing: bool = False  # recompute each block in backward (DeepSpeed's checkpointing)
+    extra: dict[str, Any] = field(default_factory=dict)  # raw keys merged into the generated DeepSpeed JSON
+
+
+@dataclass
+class LogConfig:
+    every: int = 10  # steps between training-metric logs
+    val_every: int = 200  # steps between validations
+    val_batches: int = 20
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # steps between checkpoints
+    keep_last: int = 3
+
+
+@dataclass
+class Config:
+    task: str = "lm"  # lm (vision arrives later)
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+CHOICES = {"task": ("lm",), "schedule.name": ("cosine", "wsd", "constant"), "deepspeed.precision": ("fp32", "bf16", "fp16")}
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> DictConfig:
+    """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides."""
+    cfg = OmegaConf.structured(Config)
+    if path is not None:
+        cfg = _merge(cfg, _read_yaml(Path(path)), where=f"in {path}")
+    for override in overrides:
+        if "=" not in override:
+            raise ConfigError(override, "an override must look like dotted.key=value")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([override]), where=f"in override {override!r}")
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_key_of(err), f"cannot resolve interpolation: {str(err.msg).splitlines()[0]}") from None
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(missing[0], f"no value given (missing: {', '.join(missing)}); set it as {missing[0]}=...")
+    _validate(cfg)
+    _resolve_vocab_size(cfg)
+    return cfg
+
+
+def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML, atomically: a crash never leaves a half-written file behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
+        tmp.write(OmegaConf.to_yaml(cfg, resolve=True))
+    os.replace(tmp.name, path)
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(str(path), "config file not found")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as err:  # YAML syntax errors come in several types
+        raise ConfigError(str(path), f"not valid YAML: {err}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(str(path), "the top level of a config must be a mapping of keys")
+    return loaded
+
+
+def _merge(cfg: DictConfig, other: DictConfig, where: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(cfg, other)
+    except OmegaConfBaseException as err:
+        message = "unknown key" if type(err).__name__ == "ConfigKeyError" else str(err.msg).splitlines()[0]
+        raise ConfigError(_key_of(err), f"{message} ({where})") from None
+
+
+def _key_of(err: OmegaConfBaseException) -> str:
+    return getattr(err, "full_key", None) or "<config>"
+
+
+def _validate(cfg: DictConfig) -> None:
+    """Impossible values and combinations, each reported under the key to change."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(key, f"{value!r} is not one of {', '.join(allowed)}")
+    positive = ["model.dim", "model.n_layers", "model.n_heads", "model.multiple_of", "model.norm_eps",
+                "model.init_std", "train.seq_len", "train.micro_batch_size", "train.grad_accum_steps",
+                "train.max_steps", "train.max_nonfinite_steps", "optim.lr", "optim.eps", "log.every",
+                "log.val_every", "log.val_batches", "checkpoint.every", "checkpoint.keep_last"]
+    non_negative = ["model.vocab_size", "model.ffn_hidden", "data.shuffle_buffer", "data.num_workers",
+                    "train.grad_clip", "optim.min_lr", "optim.weight_decay", "schedule.warmup_steps",
+                    "schedule.decay_steps"]
+    for key in positive:
+        _require(cfg, key, OmegaConf.select(cfg, key) > 0, "must be > 0")
+    for key in non_negative:
+        _require(cfg, key, OmegaConf.select(cfg, key) >= 0, "must be >= 0")
+
+    model = cfg.model
+    _require(cfg, "model.n_heads", model.dim % model.n_heads == 0,
+             f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
+    _require(cfg, "model.layer_pattern", not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
+             f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
+    _validate_mixers(model)
+
+    _require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")
+    _require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+             "must be two numbers in [0, 1)")
+    sched, steps = cfg.schedule, cfg.train.max_steps
+    _require(cfg, "schedule.warmup_steps", sched.warmup_steps <= steps, f"exceeds train.max_steps {steps}")
+    if sched.name == "wsd":
+        _require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - sched.warmup_steps,
+                 "wsd needs 0 < decay_steps <= train.max_steps - schedule.warmup_steps")
+
+    ds = cfg.deepspeed
+    _require(cfg, "deepspeed.zero_stage", 0 <= ds.zero_stage <= 3, "must be 0, 1, 2 or 3")
+    _require(cfg, "deepspeed.offload_optimizer", not ds.offload_optimizer or ds.zero_stage >= 1,
+             "needs deepspeed.zero_stage >= 1")
+    _require(cfg, "deepspeed.offload_params", not ds.offload_params or ds.zero_stage == 3,
+             "needs deepspeed.zero_stage 3")
+
+    for key in ("data.train_shards", "data.val_shards"):
+        shards = OmegaConf.select(cfg, key)
+        _require(cfg, key, cfg.data.allow_pipe or not (shards or "").startswith("pipe:"),
+                 "pipe: URLs run shell commands; set data.allow_pipe=true to allow them")
+
+
+def _validate_mixers(model: DictConfig) -> None:
+    """Every named mixer is registered and causal; its options are known and build (on the meta device)."""
+    import torch
+
+    from .attention import REGISTRY, build_mixer, mixer_options
+    from .models.lm import mixer_kwargs
+
+    registered = ", ".join(sorted(REGISTRY)) or "none"
+    named = [("model.mixer", model.mixer)] + [(f"model.layer_pattern[{i}]", n) for i, n in enumerate(model.layer_pattern)]
+    for key, name in named:
+        if name not in REGISTRY:
+            raise ConfigError(key, f"mixer {name!r} is not registered (yet); registered: {registered}")
+        if not REGISTRY[name].supports_causal:
+            raise ConfigError(key, f"mixer {name!r} has no causal form, and a causal LM needs one")
+    for name, options in model.mixer_options.items():
+        if name not in REGISTRY:
+            raise ConfigError(f"model.mixer_options.{name}", f"no mixer {name!r} is registered; registered: {registered}")
+        known = mixer_options(name)
+        for option, value in options.items():
+            key = f"model.mixer_options.{name}.{option}"
+            if option not in known:
+                raise ConfigError(key, f"unknown option; {name!r} takes {sorted(known)}")
+            if not _same_type(value, known[option]):
+                raise ConfigError(key, f"{value!r} should be a {type(known[option]).__name__} like the default {known[option]!r}")
+    for name in dict.fromkeys(list(model.layer_pattern) or [model.mixer]):
+        try:
+            with torch.device("meta"):
+                build_mixer(name, model.dim, model.n_heads, causal=True, options=mixer_kwargs(model, name))
+        except (ValueError, TypeError) as err:
+            raise ConfigError(f"model.mixer_options.{name}", f"mixer {name!r} cannot be built: {err}") from None
+
+
+def _same_type(value: Any, default: Any) -> bool:
+    """Does ``value`` fit an option whose default is ``default``? Simple defaults only; the mixer checks the rest."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, (int, str)):
+        return type(value) is type(default)
+    return True
+
+
+def _resolve_vocab_size(cfg: DictConfig) -> None:
+    """Fill ``model.vocab_size`` from the tokenizer when 0; refuse an explicit size smaller than its vocabulary."""
+    if not Path(cfg.data.tokenizer).is_file():
+        return  # the dry run needs no tokenizer when vocab_size is given; build_lm refuses a 0 left here
+    import sentencepiece
+
+    try:
+        tokenizer_vocab = sentencepiece.SentencePieceProcessor(model_file=cfg.data.tokenizer).vocab_size()
+    except Exception as err:  # sentencepiece raises bare RuntimeErrors / OSErrors
+        raise ConfigError("data.tokenizer", f"cannot load sentencepiece model {cfg.data.tokenizer}: {err}") from None
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = tokenizer_vocab
+    _require(cfg, "model.vocab_size", cfg.model.vocab_size >= tokenizer_vocab,
+             f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
+
+
+def _require(cfg: DictConfig, key: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, f"{message} (got {OmegaConf.select(cfg, key)!r})")

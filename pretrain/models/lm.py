@@ -1,0 +1,111 @@
+"""Decoder-only causal LM: pre-norm blocks of (token mixer, SwiGLU), each mixer chosen by name from the registry.
+
+The model never names a mixer: ``model.mixer`` (or the per-layer ``model.layer_pattern``, repeated to
+``n_layers``) picks registered classes, so a new mixer needs no change here.
+"""
+import math
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from ..attention import build_mixer, mixer_options
+from ..ops import cu_seqlens_from_position_ids
+from .layers import SwiGLU, swiglu_hidden
+
+# Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).
+SHARED_MIXER_OPTIONS = ("rope_theta",)
+
+
+def layer_mixers(model_cfg) -> list[str]:
+    """The mixer name of each layer: ``layer_pattern`` (or ``[mixer]``) repeated to ``n_layers``."""
+    pattern = list(model_cfg.layer_pattern) or [model_cfg.mixer]
+    return [pattern[i % len(pattern)] for i in range(model_cfg.n_layers)]
+
+
+def mixer_kwargs(model_cfg, name: str) -> dict:
+    """The options ``name`` is built with: shared model keys it accepts, then ``model.mixer_options.<name>``."""
+    accepted = mixer_options(name)
+    options = {key: getattr(model_cfg, key) for key in SHARED_MIXER_OPTIONS if key in accepted}
+    own = model_cfg.mixer_options.get(name) or {}
+    options.update(OmegaConf.to_container(own) if isinstance(own, DictConfig) else own)
+    return options
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + ffn(norm(x))``."""
+
+    def __init__(self, mixer: nn.Module, dim: int, ffn_hidden: int, norm_eps: float):
+        super().__init__()
+        self.mixer_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.mixer = mixer
+        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn = SwiGLU(dim, ffn_hidden)
+
+    def forward(self, x, cu_seqlens=None, position_ids=None):
+        x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class CausalLM(nn.Module):
+    """Token embedding → blocks → RMSNorm → LM head (optionally tied to the embedding)."""
+
+    def __init__(self, model_cfg):
+        super().__init__()
+        vocab, dim = model_cfg.vocab_size, model_cfg.dim
+        if vocab <= 0:
+            raise ValueError(
+                f"model.vocab_size must be resolved (> 0), got {vocab}: set it, or point data.tokenizer at an "
+                "existing sentencepiece model and load the config with pretrain.config.load_config"
+            )
+        hidden = swiglu_hidden(dim, model_cfg.ffn_hidden, model_cfg.multiple_of)
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            Block(build_mixer(name, dim, model_cfg.n_heads, causal=True, options=mixer_kwargs(model_cfg, name)),
+                  dim, hidden, model_cfg.norm_eps)
+            for name in layer_mixers(model_cfg)
+        )
+        self.norm = nn.RMSNorm(dim, eps=model_cfg.norm_eps)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if model_cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.init_weights(model_cfg.init_std)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """Linear and embedding weights ~ N(0, std); residual output projections ~ N(0, std/√(2·n_layers)).
+
+        Every block adds two branches (mixer, FFN) to the residual stream, so at initialization its variance
+        grows with their number, 2·n_layers; shrinking the projections that write into the stream (a mixer's
+        ``o_proj``, the FFN's ``down_proj``) by 1/√(2·n_layers) keeps it O(1) at any depth (GPT-2, Radford et al.
+        2019). Other parameters (norms, a mixer's own biases or kernels) keep the init their module gave them.
+        """
+        residual_std = std / math.sqrt(2 * len(self.layers))
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids, position_ids=None):
+        """``input_ids`` ``[B, T]`` → logits ``[B, T, V]``; ``position_ids`` restart at 0 at each document start."""
+        if position_ids is None:  # one document per row: the plain batched path, no cu_seqlens needed
+            cu_seqlens = None
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        else:
+            cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        x = self.embed(input_ids)
+        for block in self.layers:
+            x = block(x, cu_seqlens, position_ids)
+        return self.lm_head(self.norm(x))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""
+        blocks = sum(block.mixer.flops_per_token(seq_len) + block.ffn.flops_per_token() for block in self.layers)
+        return blocks + 2 * self.lm_head.in_features * self.lm_head.out_features
+
+
+def build_lm(model_cfg) -> CausalLM:
+    """The causal LM described by the ``model`` sub-config (``vocab_size`` already resolved)."""
+    return CausalLM(model_cfg)
