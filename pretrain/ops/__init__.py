@@ -10,3 +10,4 @@ from .aft import aft_conv2d, aft_conv2d_naive, aft_full, aft_full_naive, aft_loc
 from .linear_attention import LinearAttentionState, linear_attention
 from .rope import apply_rope
 from .softmax import softmax_attention, softmax_attention_naive
+from .soft import newton_schulz_pinv, soft_attention, soft_attention_naive

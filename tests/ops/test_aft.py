@@ -1,0 +1,104 @@
+"""AFT ops: every fast form against ``aft_full_naive`` (the definition), forward and backward, in float64."""
+import pytest
+import torch
+
+from pretrain.ops import (aft_conv2d, aft_conv2d_naive, aft_full, aft_full_naive, aft_local, aft_local_naive,
+                          aft_simple, aft_simple_naive)
+
+
+def randn(*shape, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+
+
+def qkv(batch, length, channels, *, key_scale=2.0):
+    return randn(batch, length, channels, seed=1), randn(batch, length, channels, scale=key_scale, seed=2), \
+        randn(batch, length, channels, seed=3)
+
+
+def assert_same_function(fast, naive, inputs):
+    """Equal outputs and equal gradients for every input (a random probe on the output)."""
+    results = []
+    for fn in (fast, naive):
+        out = fn(*inputs)
+        probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+        results.append([out, *torch.autograd.grad((out * probe).sum(), inputs)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("batch,length,channels", [(2, 29, 6), (1, 1, 3), (3, 16, 1)])
+def test_aft_full(causal, batch, length, channels):
+    w = randn(40, 40, scale=2.0, seed=4)  # T_max = 40 > T: the top-left block is used
+    assert_same_function(lambda q, k, v, w: aft_full(q, k, v, w, causal=causal),
+                         lambda q, k, v, w: aft_full_naive(q, k, v, w, causal=causal),
+                         [*qkv(batch, length, channels), w])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length,window,chunk", [(29, 3, 5), (29, 7, 5), (33, 1, 8), (40, 8, 8), (5, 9, 4)])
+def test_aft_local(causal, length, window, chunk):
+    w_rel = randn(window if causal else 2 * window - 1, scale=2.0, seed=5)
+    assert_same_function(lambda q, k, v, w: aft_local(q, k, v, w, window=window, causal=causal, chunk_size=chunk),
+                         lambda q, k, v, w: aft_local_naive(q, k, v, w, window=window, causal=causal),
+                         [*qkv(2, length, 4), w_rel])
+
+
+def test_aft_local_is_not_masked_outside_the_window():
+    """Outside the window the bias is 0, not −∞: a distant token still moves the output."""
+    q, k, v = (t.detach() for t in qkv(1, 20, 2))
+    w_rel = torch.zeros(3, dtype=torch.float64)
+    changed = v.clone()
+    changed[:, 0] += 10.0
+    far = slice(10, 20)
+    assert (aft_local(q, k, v, w_rel, window=3)[:, far] - aft_local(q, k, changed, w_rel, window=3)[:, far]).abs().min() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("length,chunk", [(29, 4), (1, 64), (64, 64)])
+def test_aft_simple(causal, length, chunk):
+    assert_same_function(lambda q, k, v: aft_simple(q, k, v, causal=causal, chunk_size=chunk),
+                         lambda q, k, v: aft_simple_naive(q, k, v, causal=causal), list(qkv(2, length, 5)))
+
+
+@pytest.mark.parametrize("hw,heads,size", [((4, 5), 2, 3), ((3, 3), 1, 5), ((1, 7), 4, 3)])
+def test_aft_conv2d(hw, heads, size):
+    w = randn(heads, size, size, seed=6)
+    assert_same_function(lambda q, k, v, w: aft_conv2d(q, k, v, w, hw=hw, heads=heads),
+                         lambda q, k, v, w: aft_conv2d_naive(q, k, v, w, hw=hw, heads=heads),
+                         [*qkv(2, hw[0] * hw[1], 8), w])
+
+
+def test_packed_documents():
+    q, k, v = qkv(1, 30, 3)
+    cu_seqlens = torch.tensor([0, 11, 12, 30], dtype=torch.int32)
+    w, w_rel = randn(20, 20, seed=7), randn(4, seed=8)
+    cases = [(aft_full, aft_full_naive, dict(w=w)), (aft_local, aft_local_naive, dict(w_rel=w_rel, window=4)),
+             (aft_simple, aft_simple_naive, {})]
+    for fast, naive, extra in cases:
+        assert_same_function(lambda q, k, v: fast(q, k, v, cu_seqlens=cu_seqlens, **extra),
+                             lambda q, k, v: naive(q, k, v, cu_seqlens=cu_seqlens, **extra), [q, k, v])
+
+
+def test_fp32_large_keys_stay_finite():
+    q, k, v = (t.detach() for t in qkv(1, 50, 4, key_scale=30.0))
+    w_rel = torch.randn(5, dtype=torch.float64)
+    for fast, naive in [(lambda *a: aft_local(*a, w_rel.float(), window=5, chunk_size=8),
+                         lambda *a: aft_local_naive(*a, w_rel, window=5)),
+                        (lambda *a: aft_simple(*a, chunk_size=8), aft_simple_naive)]:
+        out = fast(q.float(), k.float(), v.float())
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), naive(q, k, v), rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input_names_the_problem():
+    q, k, v = (t.detach() for t in qkv(1, 10, 4))
+    with pytest.raises(ValueError, match="T_max"):
+        aft_full(q, k, v, torch.zeros(8, 8))
+    with pytest.raises(ValueError, match=r"window=3 causal needs \(3,\)"):
+        aft_local(q, k, v, torch.zeros(5), window=3)
+    with pytest.raises(ValueError, match="hw=\\(3, 4\\)"):
+        aft_conv2d(q, k, v, torch.zeros(2, 3, 3), hw=(3, 4), heads=2)
+    with pytest.raises(ValueError, match="s odd"):
+        aft_conv2d(q, k, v, torch.zeros(2, 2, 2), hw=(2, 5), heads=2)
