@@ -1,0 +1,261 @@
+"""Webdataset shards: deterministic tar writing, strict streaming tar reading, shard patterns, ``manifest.json``.
+
+A shard is a plain (ustar) tar whose members are grouped into samples by key, webdataset style:
+``000000042.tokens.u16`` and ``000000042.json`` form the sample with key ``000000042``. Writing fixes every header
+field (mtime 0, uid/gid 0, mode 0444), so the same samples give byte-identical shards; a shard appears under its
+final name only once it is complete.
+
+Reading checks every header checksum and the end-of-archive block, so a corrupt or truncated shard is an error
+naming the file (``ShardError``) — never a silently shortened shard, as ``tarfile``'s stream mode can give.
+
+Shard patterns use webdataset brace expansion (``DIR/shard-{000000..000099}.tar``) and globs; a directory stands for
+the shards its ``manifest.json`` lists. A brace range may run past the last shard (files missing after the last
+existing one are ignored), but a gap is an error. ``pipe:CMD`` URLs run a shell command and are refused unless
+``allow_pipe`` is set.
+"""
+import glob
+import io
+import json
+import os
+import subprocess
+import tarfile
+from collections import defaultdict
+from collections.abc import Iterator
+
+from webdataset.shardlists import expand_urls
+
+MANIFEST = "manifest.json"
+_BLOCK = 512
+_ZERO_BLOCK = bytes(_BLOCK)
+
+
+class ShardError(ValueError):
+    """A shard that cannot be read: missing, empty, corrupt, truncated, or of the wrong tokenizer."""
+
+
+# ---------------------------------------------------------------- patterns and manifests
+
+def load_manifest(directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ShardError(f"{path} does not exist (is {directory!r} a shard directory?)") from None
+    except json.JSONDecodeError as err:
+        raise ShardError(f"{path} is not valid JSON ({err.msg})") from None
+
+
+def write_manifest(directory: str, manifest: dict) -> None:
+    path = os.path.join(directory, MANIFEST)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+
+
+def _existing_prefix(names: list[str], pattern: str) -> list[str]:
+    """The expanded names up to the last existing file; an earlier missing or empty one is an error."""
+    listing: dict[str, set[str]] = {}
+    exists = []
+    for name in names:
+        directory = os.path.dirname(name) or "."
+        if directory not in listing:
+            listing[directory] = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+        exists.append(os.path.basename(name) in listing[directory])
+    if not any(exists):
+        raise ShardError(f"shard pattern {pattern!r} matches no file")
+    last = max(i for i, e in enumerate(exists) if e)
+    for name, e in zip(names[:last + 1], exists):
+        if not e:
+            raise ShardError(f"shard {name} is missing (pattern {pattern!r})")
+        if os.path.getsize(name) == 0:
+            raise ShardError(f"shard {name} is empty")
+    return names[:last + 1]
+
+
+def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
+    """The shard URLs a pattern names, checked to exist (local paths) and in pattern order."""
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ShardError(f"shard pattern {pattern!r} is empty")
+    urls = []
+    for url in expand_urls(pattern):
+        if url.startswith("pipe:"):
+            if not allow_pipe:
+                raise ShardError(f"shard URL {url!r} runs a shell command; set allow_pipe to allow pipe: URLs")
+            urls.append(url)
+            continue
+        if "://" in url:
+            raise ShardError(f"shard URL {url!r}: only local paths and pipe: URLs are supported")
+        path = url.removeprefix("file:")
+        if os.path.isdir(path):
+            urls.extend(os.path.join(path, f["name"]) for f in load_manifest(path)["files"])
+        elif any(c in path for c in "*?["):
+            urls.extend(sorted(glob.glob(path)) or [path])
+        else:
+            urls.append(path)
+    local = [u for u in urls if not u.startswith("pipe:")]
+    if local:
+        kept = set(_existing_prefix(local, pattern))
+        urls = [u for u in urls if u.startswith("pipe:") or u in kept]
+    return urls
+
+
+def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
+    """Refuse shards whose manifest records a different tokenizer (or none), naming the shard."""
+    by_directory = defaultdict(list)
+    for url in urls:
+        if url.startswith("pipe:"):
+            raise ShardError(f"cannot check the tokenizer of {url!r}: pipe: shards have no manifest beside them")
+        by_directory[os.path.dirname(url) or "."].append(url)
+    for directory, shards in by_directory.items():
+        try:
+            recorded = load_manifest(directory).get("tokenizer_sha256")
+        except ShardError as err:
+            raise ShardError(f"cannot check the tokenizer of shard {shards[0]}: {err}") from None
+        if recorded != tokenizer_sha256:
+            raise ShardError(f"shard {shards[0]} was written with tokenizer sha256 {recorded} "
+                             f"({os.path.join(directory, MANIFEST)}), but this run's tokenizer is {tokenizer_sha256}")
+
+
+# ---------------------------------------------------------------- reading
+
+class _Pipe(io.RawIOBase):
+    """stdout of a shell command; a non-zero exit is an error naming the command."""
+
+    def __init__(self, command: str):
+        self.command = command
+        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self.proc.stdout.readinto(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.proc.stdout.close()
+            if self.proc.wait() != 0:
+                super().close()
+                raise ShardError(f"pipe:{self.command} exited with status {self.proc.returncode}")
+        super().close()
+
+
+def _open(url: str) -> io.BufferedIOBase:
+    try:
+        if url.startswith("pipe:"):
+            return io.BufferedReader(_Pipe(url[len("pipe:"):]), 1 << 20)
+        return open(url, "rb", buffering=1 << 20)
+    except OSError as err:
+        raise ShardError(f"cannot open shard {url}: {err}") from None
+
+
+def _octal(field: bytes, url: str, offset: int) -> int:
+    try:
+        return int(field.strip(b"\0 ") or b"0", 8)
+    except ValueError:
+        raise ShardError(f"shard {url}: corrupt tar header at byte {offset}") from None
+
+
+def iter_members(url: str) -> Iterator[tuple[str, bytes]]:
+    """(name, data) of each regular file in the tar at ``url``, strictly checked."""
+    with _open(url) as stream:
+        offset = 0
+        while True:
+            header = stream.read(_BLOCK)
+            if len(header) == 0 and offset == 0:
+                raise ShardError(f"shard {url} is empty")
+            if len(header) < _BLOCK:
+                raise ShardError(f"shard {url} is truncated at byte {offset + len(header)} (no end-of-archive block)")
+            if header == _ZERO_BLOCK:
+                return
+            checksum = sum(header[:148]) + 8 * 32 + sum(header[156:])
+            if _octal(header[148:156], url, offset) != checksum:
+                raise ShardError(f"shard {url}: corrupt tar header at byte {offset} (checksum mismatch)")
+            name = header[:100].split(b"\0", 1)[0]
+            if header[257:262] == b"ustar" and header[345] != 0:
+                name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+            size = _octal(header[124:136], url, offset)
+            padded = size + (-size) % _BLOCK
+            data = stream.read(padded)
+            if len(data) < padded:
+                raise ShardError(f"shard {url} is truncated inside member {name.decode(errors='replace')!r}")
+            offset += _BLOCK + padded
+            kind = header[156:157]
+            if kind in (b"0", b"\0"):
+                yield name.decode("utf-8", errors="replace"), data[:size]
+            elif kind not in (b"5", b"g", b"x"):  # directories and pax headers carry no sample data
+                raise ShardError(f"shard {url}: unsupported tar member type {kind!r} at byte {offset}")
+
+
+def iter_samples(url: str) -> Iterator[dict]:
+    """Webdataset samples: ``{"__key__": key, ext: bytes, ...}`` from consecutive members sharing a key."""
+    sample: dict = {}
+    for name, data in iter_members(url):
+        base = os.path.basename(name)
+        prefix = name[:len(name) - len(base)]
+        stem, dot, ext = base.partition(".")
+        if not dot:
+            raise ShardError(f"shard {url}: member {name!r} has no extension (expected KEY.EXT)")
+        key = prefix + stem
+        if sample and sample["__key__"] != key:
+            yield sample
+            sample = {}
+        sample["__key__"] = key
+        sample[ext] = data
+    if sample:
+        yield sample
+
+
+# ---------------------------------------------------------------- writing
+
+class ShardWriter:
+    """Writes ``DIR/shard-000000.tar``, ... with deterministic headers; each appears only when complete."""
+
+    def __init__(self, directory: str, *, samples_per_shard: int):
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard={samples_per_shard}: must be at least 1")
+        self.directory, self.samples_per_shard = directory, samples_per_shard
+        self.files: list[dict] = []  # name and sample count of each finished shard, plus what add() tallies
+        self._tar: tarfile.TarFile | None = None
+        self._tally: dict = {}
+
+    def add(self, key: str, members: dict[str, bytes], **tally: int) -> None:
+        """One sample; ``tally`` (e.g. tokens=, bytes=) is summed per shard into ``files``."""
+        if self._tar is None:
+            self._open_next()
+        for ext, data in members.items():
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mode, info.mtime = len(data), 0o444, 0
+            self._tar.addfile(info, io.BytesIO(data))
+        self._tally["samples"] += 1
+        for name, value in tally.items():
+            self._tally[name] = self._tally.get(name, 0) + value
+        if self._tally["samples"] == self.samples_per_shard:
+            self._close_current()
+
+    def close(self) -> list[dict]:
+        if self._tar is not None:
+            self._close_current()
+        return self.files
+
+    def _path(self) -> str:
+        return os.path.join(self.directory, f"shard-{len(self.files):06d}.tar")
+
+    def _open_next(self) -> None:
+        self._tar = tarfile.open(self._path() + ".tmp", "w", format=tarfile.USTAR_FORMAT)
+        self._tally = {"samples": 0}
+
+    def _close_current(self) -> None:
+        self._tar.close()
+        os.replace(self._path() + ".tmp", self._path())
+        self.files.append({"name": os.path.basename(self._path()), **self._tally})
+        self._tar = None
+
+
+def prepare_output_dir(directory: str) -> None:
+    """Create ``directory``; refuse one that already holds files, so nothing written before is lost."""
+    if os.path.isdir(directory) and os.listdir(directory):
+        raise FileExistsError(f"output directory {directory!r} is not empty; choose a new --out")
+    os.makedirs(directory, exist_ok=True)

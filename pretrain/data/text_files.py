@@ -1,0 +1,138 @@
+"""Raw text inputs → documents: `.txt`, `.jsonl` (field `text`) and `.gz` of either, strictly UTF-8.
+
+Document boundaries:
+- `.jsonl`: one record is one document (records with empty `text` are skipped).
+- `.txt`: chosen by `txt_docs`:
+  - ``"paragraphs"`` (default): maximal runs of non-blank lines; blank (whitespace-only) lines separate documents.
+  - ``"wikitext"``: a WikiText article heading, a line ``" = Title = "`` with exactly one ``=`` on each side,
+    starts a new document; section headings ``" = = Section = = "`` and blank lines stay inside the article.
+  - ``"file"``: the whole file is one document.
+A document's text is its lines verbatim, with leading and trailing blank lines and the final newline removed.
+Lines are split at ``\\n`` only, so ``\\r``, form feeds and the like stay in the text.
+"""
+import glob
+import gzip
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+from tqdm import tqdm
+
+TXT_DOC_RULES = ("paragraphs", "wikitext", "file")
+
+
+def expand_inputs(patterns: Iterable[str]) -> list[str]:
+    """Files named by paths or globs, in argument order (each glob sorted); a pattern matching nothing is an error."""
+    paths = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches:
+            raise FileNotFoundError(f"input pattern {pattern!r} matches no file")
+        for path in matches:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"input file {path!r} does not exist")
+            input_kind(path)
+            paths.append(path)
+    if not paths:
+        raise ValueError("no input files given")
+    return paths
+
+
+def input_kind(path: str) -> str:
+    """``"txt"`` or ``"jsonl"``, from the name (a ``.gz`` suffix is looked through)."""
+    name = path[:-3] if path.endswith(".gz") else path
+    for kind in ("txt", "jsonl"):
+        if name.endswith("." + kind):
+            return kind
+    raise ValueError(f"input file {path!r}: unsupported type; expected .txt, .jsonl, or .gz of either")
+
+
+def _lines(path: str, progress: tqdm | None) -> Iterator[str]:
+    """Lines of a file (``\\n`` kept), decoded strictly; invalid UTF-8 is an error naming file, line and byte."""
+    with open(path, "rb") as raw:
+        stream = gzip.open(raw) if path.endswith(".gz") else raw
+        done = 0
+        for number, line in enumerate(stream, start=1):
+            try:
+                yield line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}: line {number}: invalid UTF-8 at byte {err.start} of the line "
+                                 f"({err.reason})") from None
+            if progress is not None and number % 4096 == 0:
+                position = raw.tell()
+                progress.update(position - done)
+                done = position
+        if progress is not None:
+            progress.update(os.path.getsize(path) - done)
+
+
+def _is_blank(line: str) -> bool:
+    return not line.strip()
+
+
+def _is_article_heading(line: str) -> bool:
+    title = line.strip()
+    return (len(title) > 4 and title.startswith("= ") and title.endswith(" =")
+            and not title.startswith("= =") and not title.endswith("= ="))
+
+
+def _join(lines: list[str]) -> str:
+    while lines and _is_blank(lines[-1]):
+        lines.pop()
+    start = 0
+    while start < len(lines) and _is_blank(lines[start]):
+        start += 1
+    text = "".join(lines[start:])
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _txt_documents(lines: Iterable[str], rule: str) -> Iterator[str]:
+    if rule == "file":
+        text = _join(list(lines))
+        if text:
+            yield text
+        return
+    is_break = _is_blank if rule == "paragraphs" else _is_article_heading
+    current: list[str] = []
+    for line in lines:
+        if is_break(line) and current:
+            text = _join(current)
+            if text:
+                yield text
+            current = []
+        if rule == "wikitext" or not _is_blank(line):
+            current.append(line)
+    text = _join(current)
+    if text:
+        yield text
+
+
+def _jsonl_documents(lines: Iterable[str], path: str) -> Iterator[str]:
+    for number, line in enumerate(lines, start=1):
+        if _is_blank(line):
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: line {number}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}: line {number}: expected an object with a string field 'text'")
+        if record["text"]:
+            yield record["text"]
+
+
+def read_text_documents(paths: Iterable[str], *, txt_docs: str = "paragraphs",
+                        progress: bool = False) -> Iterator[str]:
+    """Documents of the given files in order; ``progress`` shows a bar over the files' (on-disk) bytes."""
+    if txt_docs not in TXT_DOC_RULES:
+        raise ValueError(f"txt_docs={txt_docs!r}: expected one of {', '.join(TXT_DOC_RULES)}")
+    paths = list(paths)
+    bar = tqdm(total=sum(os.path.getsize(p) for p in paths), unit="B", unit_scale=True,
+               desc="reading", disable=not progress)
+    with bar:
+        for path in paths:
+            lines = _lines(path, bar)
+            if input_kind(path) == "jsonl":
+                yield from _jsonl_documents(lines, path)
+            else:
+                yield from _txt_documents(lines, txt_docs)

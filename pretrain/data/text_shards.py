@@ -1,0 +1,140 @@
+"""Text shards: one pre-tokenized document per webdataset sample.
+
+Sample format (key = the document's index in the whole set, 10 digits):
+- ``KEY.tokens.u16`` or ``KEY.tokens.u32``: the token ids, **``eos`` appended**, as raw little-endian unsigned
+  integers (``u16`` when the vocabulary has at most 65536 ids, else ``u32``); the extension names the dtype.
+- ``KEY.json``: ``{"num_bytes": N}``, the UTF-8 byte length of the document's text (for bits per byte).
+
+``DIR/manifest.json`` holds ``shards`` (count), ``documents``, ``tokens`` (eos included), ``bytes``,
+``tokenizer_sha256``, ``vocab_size``, ``eos_id``, ``token_dtype``, the input files and the document rule, and
+``files``: per shard its ``name``, ``samples``, ``tokens`` and ``bytes``.
+
+Documents are cut into shards in input order, so the same inputs and tokenizer give byte-identical shards,
+whatever the number of tokenizing processes.
+"""
+import json
+import multiprocessing
+import os
+from collections.abc import Iterator
+from itertools import islice
+from typing import NamedTuple
+
+import numpy as np
+from tqdm import tqdm
+
+from pretrain.data.shards import ShardError, ShardWriter, expand_shards, iter_samples, prepare_output_dir, \
+    write_manifest
+from pretrain.data.text_files import expand_inputs, read_text_documents
+from pretrain.data.tokenizer import Tokenizer
+
+TOKEN_DTYPES = {"tokens.u16": np.dtype("<u2"), "tokens.u32": np.dtype("<u4")}
+
+
+class Document(NamedTuple):
+    tokens: np.ndarray  # 1-D token ids, eos included
+    num_bytes: int      # UTF-8 bytes of the text
+    key: str            # "shard-path#sample-key", for error messages
+
+
+def token_extension(vocab_size: int) -> str:
+    return "tokens.u16" if vocab_size <= 1 << 16 else "tokens.u32"
+
+
+def decode_sample(sample: dict, url: str) -> Document:
+    key = sample["__key__"]
+    for ext, dtype in TOKEN_DTYPES.items():
+        if ext in sample:
+            data = sample[ext]
+            if len(data) % dtype.itemsize:
+                raise ShardError(f"shard {url}: sample {key}: {ext} has {len(data)} bytes, not a whole number of ids")
+            tokens = np.frombuffer(data, dtype=dtype)
+            break
+    else:
+        raise ShardError(f"shard {url}: sample {key} has no tokens.u16/tokens.u32 member (not a text shard?)")
+    try:
+        num_bytes = int(json.loads(sample["json"])["num_bytes"])
+    except (KeyError, ValueError, TypeError):
+        raise ShardError(f"shard {url}: sample {key} lacks a json member with num_bytes") from None
+    return Document(tokens, num_bytes, f"{url}#{key}")
+
+
+def iter_shard_documents(url: str) -> Iterator[Document]:
+    for sample in iter_samples(url):
+        yield decode_sample(sample, url)
+
+
+def read_documents(pattern: str, *, allow_pipe: bool = False) -> Iterator[Document]:
+    """Every document of the shards, in shard order, unshuffled (for evaluation)."""
+    for url in expand_shards(pattern, allow_pipe=allow_pipe):
+        yield from iter_shard_documents(url)
+
+
+# ---------------------------------------------------------------- writing
+
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(tokenizer_path)
+
+
+def _encode_chunk(texts: list[str]) -> list[tuple[bytes, int, int]]:
+    """(token bytes with eos, token count, UTF-8 byte count) per text."""
+    tok = _worker_tokenizer
+    dtype = TOKEN_DTYPES[token_extension(tok.vocab_size)]
+    out = []
+    for text, ids in zip(texts, tok.encode_batch(texts)):
+        ids.append(tok.eos_id)
+        out.append((np.asarray(ids, dtype=dtype).tobytes(), len(ids), len(text.encode("utf-8"))))
+    return out
+
+
+def _chunks(documents: Iterator[str], size: int) -> Iterator[list[str]]:
+    while chunk := list(islice(documents, size)):
+        yield chunk
+
+
+def make_text_shards(inputs: list[str], tokenizer_path: str, out_dir: str, *, docs_per_shard: int = 10_000,
+                     txt_docs: str = "paragraphs", workers: int = 1, progress: bool = False) -> dict:
+    """Tokenize the documents of ``inputs`` (paths or globs) into shards in ``out_dir``; returns the manifest."""
+    paths = expand_inputs(inputs)
+    tokenizer = Tokenizer(tokenizer_path)
+    if docs_per_shard < 1:
+        raise ValueError(f"docs_per_shard={docs_per_shard}: must be at least 1")
+    prepare_output_dir(out_dir)
+    extension = token_extension(tokenizer.vocab_size)
+    writer = ShardWriter(out_dir, samples_per_shard=docs_per_shard)
+    chunks = _chunks(read_text_documents(paths, txt_docs=txt_docs, progress=progress), 256)
+    pool = multiprocessing.Pool(workers, _init_worker, (tokenizer_path,)) if workers > 1 else None
+    _init_worker(tokenizer_path)
+    encoded = pool.imap(_encode_chunk, chunks) if pool else map(_encode_chunk, chunks)
+    count = 0
+    try:
+        with tqdm(unit="doc", desc="sharding", disable=not progress) as bar:
+            for chunk in encoded:
+                for data, num_tokens, num_bytes in chunk:
+                    writer.add(f"{count:010d}", {extension: data, "json": b'{"num_bytes":%d}' % num_bytes},
+                               tokens=num_tokens, bytes=num_bytes)
+                    count += 1
+                bar.update(len(chunk))
+        files = writer.close()
+    except BaseException:
+        for name in os.listdir(out_dir):  # the directory was empty: leave no half-written set behind
+            os.remove(os.path.join(out_dir, name))
+        raise
+    finally:
+        if pool:
+            pool.terminate()
+    if not files:
+        raise ValueError(f"inputs {inputs} hold no documents")
+    manifest = {
+        "format": "pretrain-text-shards-v1",
+        "shards": len(files), "documents": count,
+        "tokens": sum(f["tokens"] for f in files), "bytes": sum(f["bytes"] for f in files),
+        "tokenizer_sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id,
+        "token_dtype": extension.split(".")[1], "inputs": [os.path.basename(p) for p in paths],
+        "txt_docs": txt_docs, "files": files,
+    }
+    write_manifest(out_dir, manifest)
+    return manifest
