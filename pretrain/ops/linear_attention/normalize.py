@@ -1,0 +1,43 @@
+"""The three normalizations as one unnormalized linear attention on augmented inputs.
+
+A "core" computes ``o_t = qᵀ S_t`` with ``S_t = S_0 + Σ_j k_j v_jᵀ`` (causal or global, per document) and the
+final ``S``. Appending a column of ones to v makes the same core also return ``q·z_t`` (the divisive
+denominator), and a core call with q = k = 1 returns ``u_t`` and ``n_t`` (InLine's sums) — so each fast form
+writes (and differentiates) only the core, and the state ``(S, z)`` is the augmented ``[D, Dv + 1]`` matrix.
+"""
+import torch
+
+from ..precision import upcast
+from .state import LinearAttentionState
+
+
+def normalized(core, q, k, v, *, normalize, eps, cu_seqlens, initial_state, output_final_state):
+    """Linear attention with ``normalize`` from ``core(q, k, v, initial, cu_seqlens, output_final) -> (o, S)``."""
+    dtype = q.dtype
+    q, k, v = upcast(q, k, v)
+    init = None if initial_state is None else LinearAttentionState(
+        *(None if s is None else s.to(q.dtype) for s in initial_state))
+    if normalize == "none":
+        o, S = core(q, k, v, None if init is None else init.S, cu_seqlens, output_final_state)
+        return _result(o.to(dtype), LinearAttentionState(S), output_final_state)
+
+    ones = q.new_ones(*q.shape[:3], 1)
+    v1 = torch.cat([v, ones], dim=-1)
+    Sz0 = None if init is None else torch.cat([init.S, init.z[..., None]], dim=-1)
+    num_den, Sz = core(q, k, v1, Sz0, cu_seqlens, output_final_state)
+    num, den = num_den[..., :-1], num_den[..., -1:]
+    final = None if Sz is None else LinearAttentionState(Sz[..., :-1], Sz[..., -1])
+    if normalize == "divisive":
+        return _result((num / (den + eps)).to(dtype), final, output_final_state)
+
+    un0 = None if init is None else torch.cat([init.u, init.n[..., None]], dim=-1)[:, :, None]
+    un, un_final = core(ones, ones, v1, un0, cu_seqlens, output_final_state)
+    u, n = un[..., :-1], un[..., -1:]
+    o = num / n + (1 - den / n) * u / n
+    if final is not None:
+        final = final._replace(u=un_final[:, :, 0, :-1], n=un_final[:, :, 0, -1])
+    return _result(o.to(dtype), final, output_final_state)
+
+
+def _result(o, final, output_final_state):
+    return (o, final) if output_final_state else o
