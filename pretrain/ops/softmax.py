@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .documents import document_mask
+from .precision import upcast
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -32,12 +33,13 @@ def softmax_attention(q, k, v, *, causal: bool = True, cu_seqlens: torch.Tensor 
 
 
 def softmax_attention_naive(q, k, v, *, causal: bool = True, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The definition, in fp32 with the whole ``[T, T]`` score matrix: the oracle for the fast forms."""
+    """The definition, in (at least) fp32 with the whole ``[T, T]`` score matrix: the oracle for the fast forms."""
     _check_shapes(q, k, v, cu_seqlens)
-    scores = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * q.shape[-1] ** -0.5
+    q32, k32, v32 = upcast(q, k, v)
+    scores = torch.einsum("bthd,bshd->bhts", q32, k32) * q.shape[-1] ** -0.5
     allowed = document_mask(q.shape[1], cu_seqlens, causal=causal, device=q.device)
     weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-    return torch.einsum("bhts,bshd->bthd", weights, v.float()).to(q.dtype)
+    return torch.einsum("bhts,bshd->bthd", weights, v32).to(q.dtype)
 
 
 def _flash(q, k, v, causal, cu_seqlens):
