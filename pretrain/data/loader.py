@@ -202,6 +202,10 @@ class TokenLoader:
         self.skipped_shards = 0
         self.batches = 0
 
+    def epoch_shards(self, epoch: int) -> list[str]:
+        """The shards this rank reads in ``epoch``, in reading order."""
+        return self._stream.epoch_shards(epoch)
+
     @property
     def epoch(self) -> int:
         """Finished epochs (the epoch of the next token)."""
