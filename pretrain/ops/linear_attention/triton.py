@@ -1,0 +1,466 @@
+"""Triton kernels for chunked linear attention (REFERENCE §1, §4, §7): one fused pass forward, two backward.
+
+Each program owns one (sequence, head, block of value channels) and walks the chunks of its sequence in
+order, carrying the fp32 state ``S = Σ kᵀv`` (and ``z = Σ k``, ``u = Σ v``, ``n`` = tokens seen) in registers:
+per chunk a C×C masked product for the tokens inside it and a product with the state for those before it.
+Nothing of size T/C × d × dv is ever stored, so memory stays O(T·d). Packed documents (``cu_seqlens``) are
+just sequences of their own: every program starts its chunks at its document's first token.
+
+Backward, with ``o = num / den`` (divisive), ``o = num / n + (1 − a / n) u / n`` (subtractive, ``a = q·z``):
+- ``g' = dO · scale`` (scale ``1/den``, ``1/n`` or 1) is the gradient of the unnormalized output ``num``;
+- ``δ`` (``−dO·o / den``, ``−dO·u / n²``) is the gradient of ``a``, a linear attention whose value is 1;
+- dq comes from a forward sweep (``dq_c = tril(g'_c v_cᵀ) k_c + g'_c Sᵀ + δ ⊙ (cumsum k + z)``) and dk, dv from
+  a reverse sweep over ``dS = Σ_later qᵀ g'`` and ``dz = Σ_later δ q``.
+Each program sees only its block of value channels, so dq and dk are summed over those blocks afterwards.
+
+Non-causal attention runs the same kernels twice: once to sum the whole sequence into a state, once to apply
+that state to every token (``INTRA=False``: no in-chunk term, no running sums).
+
+The same kernels run on CPU under ``TRITON_INTERPRET=1``; the tests hold them to the naive reference there.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .state import FIELDS, LinearAttentionState, zero_state
+
+NORMALIZE_CODES = {"none": 0, "divisive": 1, "subtractive": 2}
+
+
+@triton.jit
+def _sequence_bounds(cu_seqlens, i_n, T, VARLEN: tl.constexpr):
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation. The CPU interpreter multiplies bf16/fp16 wrongly, so there it upcasts the
+    (already rounded) operands: the same products, exact in fp32."""
+    if PRECISION == "interpret":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _forward_kernel(
+    q, k, v, o, aux, s_in, z_in, u_in, n_in, s_out, z_out, u_out, n_out, cu_seqlens,
+    T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, INTRA: tl.constexpr, UPDATE: tl.constexpr, STORE_O: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """o = [tril(q kᵀ) v + q S] normalized; also writes ``aux`` (den or a, per token) and the final state."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < DK, cv < DV
+    dtype = q.dtype.element_ty
+
+    state_offs = i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    u = tl.zeros([BV], dtype=tl.float32)
+    n = 0.0
+    if HAS_INITIAL:
+        S += tl.load(s_in + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
+        if NORMALIZE > 0:
+            z += tl.load(z_in + i_nh * DK + ck, mask=mk, other=0.0)
+        if NORMALIZE == 2:
+            u += tl.load(u_in + i_nh * DV + cv, mask=mv, other=0.0)
+            n += tl.load(n_in + i_nh)
+    causal = rows[:, None] >= rows[None, :]
+
+    for start in range(bos, eos, BT):
+        t = start + rows
+        mt = t < eos
+        tok = t * H + i_h
+        q_c = tl.load(q + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        if STORE_O:
+            num = _mm(q_c, S.to(dtype), PRECISION)
+            a = tl.sum(q_c.to(tl.float32) * z[None, :], 1)
+            count = n + tl.zeros([BT], dtype=tl.float32)
+            u_c = u[None, :] + tl.zeros([BT, BV], dtype=tl.float32)
+        if INTRA or UPDATE:
+            k_c = tl.load(k + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            v_c = tl.load(v + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        if INTRA:
+            A = _mm(q_c, tl.trans(k_c), PRECISION)
+            A = tl.where(causal, A, 0.0)
+            num += _mm(A.to(dtype), v_c, PRECISION)
+            a += tl.sum(A, 1)
+            count += (rows + 1).to(tl.float32)
+            u_c += tl.cumsum(v_c.to(tl.float32), 0)
+        if STORE_O:
+            if NORMALIZE == 0:
+                out = num
+            elif NORMALIZE == 1:
+                den = a + eps
+                out = num / den[:, None]
+                if i_v == 0:
+                    tl.store(aux + tok, den, mask=mt)
+            else:
+                out = (num + (1.0 - a / count)[:, None] * u_c) / count[:, None]
+                if i_v == 0:
+                    tl.store(aux + tok, a, mask=mt)
+            tl.store(o + tok[:, None] * DV + cv[None, :], out.to(dtype), mask=mt[:, None] & mv[None, :])
+        if UPDATE:
+            S += _mm(tl.trans(k_c), v_c, PRECISION)
+            z += tl.sum(k_c.to(tl.float32), 0)
+            u += tl.sum(v_c.to(tl.float32), 0)
+            n += tl.sum(mt.to(tl.float32), 0)
+
+    if STORE_FINAL:
+        tl.store(s_out + state_offs, S, mask=mk[:, None] & mv[None, :])
+        if i_v == 0:
+            tl.store(z_out + i_nh * DK + ck, z, mask=mk)
+            tl.store(n_out + i_nh, n)
+        tl.store(u_out + i_nh * DV + cv, u, mask=mv)
+
+
+@triton.jit
+def _backward_dq_kernel(
+    k, v, g, gscale, delta, dq, s_in, z_in, cu_seqlens,
+    T, block_stride, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_INITIAL: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """This value block's share of dq = tril(g' vᵀ) k + g' Sᵀ, plus δ ⊙ (cumsum k + z) in block 0."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < DK, cv < DV
+    dtype = k.dtype.element_ty
+    dq += i_v.to(tl.int64) * block_stride
+
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    if HAS_INITIAL:
+        S += tl.load(s_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
+                     mask=mk[:, None] & mv[None, :], other=0.0)
+        if HAS_DELTA:
+            z += tl.load(z_in + i_nh * DK + ck, mask=mk, other=0.0)
+    causal = rows[:, None] >= rows[None, :]
+
+    for start in range(bos, eos, BT):
+        t = start + rows
+        mt = t < eos
+        tok = t * H + i_h
+        g_c = tl.load(g + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        if HAS_SCALE:
+            g_c = (g_c.to(tl.float32) * tl.load(gscale + tok, mask=mt, other=0.0)[:, None]).to(dtype)
+        dq_c = _mm(g_c, tl.trans(S.to(dtype)), PRECISION)
+        if INTRA:
+            k_c = tl.load(k + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            v_c = tl.load(v + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            dA = tl.where(causal, _mm(g_c, tl.trans(v_c), PRECISION), 0.0)
+            dq_c += _mm(dA.to(dtype), k_c, PRECISION)
+        if HAS_DELTA:
+            if i_v == 0:
+                d_c = tl.load(delta + tok, mask=mt, other=0.0)
+                if INTRA:
+                    dq_c += d_c[:, None] * (tl.cumsum(k_c.to(tl.float32), 0) + z[None, :])
+                else:
+                    dq_c += d_c[:, None] * z[None, :]
+        tl.store(dq + tok[:, None] * DK + ck[None, :], dq_c.to(dq.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+        if INTRA:
+            S += _mm(tl.trans(k_c), v_c, PRECISION)
+            z += tl.sum(k_c.to(tl.float32), 0)
+
+
+@triton.jit
+def _backward_dkdv_kernel(
+    q, k, v, g, gscale, delta, dk, dv, ds_in, dz_in, ds_out, dz_out, cu_seqlens,
+    T, block_stride, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    INTRA: tl.constexpr, UPDATE: tl.constexpr, STORE_DKDV: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr, STORE_DS: tl.constexpr,
+    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Reverse sweep: dv = tril(q kᵀ)ᵀ g' + k dS, dk (this block's share) = tril(g' vᵀ)ᵀ q + v dSᵀ (+ δ terms),
+    with dS = Σ_later qᵀ g' starting from the final state's gradient; writes dS at the start (the initial
+    state's gradient)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
+    rows = tl.arange(0, BT)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    mk, mv = ck < DK, cv < DV
+    dtype = q.dtype.element_ty
+    dk += i_v.to(tl.int64) * block_stride
+
+    state_offs = i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :]
+    dS = tl.zeros([BK, BV], dtype=tl.float32)
+    dz = tl.zeros([BK], dtype=tl.float32)
+    if HAS_FINAL_GRAD:
+        dS += tl.load(ds_in + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
+        if HAS_DELTA:
+            dz += tl.load(dz_in + i_nh * DK + ck, mask=mk, other=0.0)
+    causal = rows[:, None] >= rows[None, :]
+
+    num_chunks = tl.cdiv(eos - bos, BT)
+    for i in range(num_chunks):
+        t = bos + (num_chunks - 1 - i) * BT + rows
+        mt = t < eos
+        tok = t * H + i_h
+        q_c = tl.load(q + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+        g_c = tl.load(g + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        if HAS_SCALE:
+            g_c = (g_c.to(tl.float32) * tl.load(gscale + tok, mask=mt, other=0.0)[:, None]).to(dtype)
+        if HAS_DELTA:
+            qd_c = q_c.to(tl.float32) * tl.load(delta + tok, mask=mt, other=0.0)[:, None]
+        if STORE_DKDV:
+            k_c = tl.load(k + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
+            v_c = tl.load(v + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+            dv_c = _mm(k_c, dS.to(dtype), PRECISION)
+            dk_c = _mm(v_c, tl.trans(dS.to(dtype)), PRECISION)
+            if INTRA:
+                A = tl.where(causal, _mm(q_c, tl.trans(k_c), PRECISION), 0.0)
+                dA = tl.where(causal, _mm(g_c, tl.trans(v_c), PRECISION), 0.0)
+                dv_c += _mm(tl.trans(A.to(dtype)), g_c, PRECISION)
+                dk_c += _mm(tl.trans(dA.to(dtype)), q_c, PRECISION)
+            if HAS_DELTA:
+                if i_v == 0:
+                    if INTRA:
+                        dk_c += tl.cumsum(qd_c, 0, reverse=True) + dz[None, :]
+                    else:
+                        dk_c += dz[None, :]
+            tl.store(dv + tok[:, None] * DV + cv[None, :], dv_c.to(dv.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+            tl.store(dk + tok[:, None] * DK + ck[None, :], dk_c.to(dk.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+        if UPDATE:
+            dS += _mm(tl.trans(q_c), g_c, PRECISION)
+            if HAS_DELTA:
+                dz += tl.sum(qd_c, 0)
+
+    if STORE_DS:
+        tl.store(ds_out + state_offs, dS, mask=mk[:, None] & mv[None, :])
+        if HAS_DELTA:
+            if i_v == 0:
+                tl.store(dz_out + i_nh * DK + ck, dz, mask=mk)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host side: shapes, launches, and the autograd function that ties the sweeps together.
+
+MAX_HEAD_DIM = 256  # the state block (head dim × value block, fp32) lives in registers
+# Launch settings, fixed (no autotuning: nothing needs a GPU to pick them); chosen on an H200, see
+# benchmarks/notes_triton.md.
+CONFIG = dict(block_v=64, num_warps=4, num_stages=2)
+
+
+class _Launch:
+    """Geometry of one call: tokens laid out [B*T, H, D], programs over (value block, sequence × head)."""
+
+    def __init__(self, q, v, cu_seqlens, chunk_size):
+        batch, self.T, self.H, self.DK = q.shape
+        self.DV = v.shape[-1]
+        if max(self.DK, self.DV) > MAX_HEAD_DIM:
+            raise ValueError(f"triton linear attention supports head dims up to {MAX_HEAD_DIM}; "
+                             f"got q/k {self.DK}, v {self.DV}")
+        self.cu_seqlens = cu_seqlens
+        self.N = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+        self.tokens = batch * self.T
+        self.BT = max(16, chunk_size)  # the tiling only: results do not depend on it; tl.dot needs ≥ 16
+        self.BK = max(16, triton.next_power_of_2(self.DK))
+        self.BV = min(CONFIG["block_v"], max(16, triton.next_power_of_2(self.DV)))
+        self.NV = triton.cdiv(self.DV, self.BV)
+        self.grid = (self.NV, self.N * self.H)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            self.precision = "interpret"
+        else:
+            self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.num_warps, self.num_stages = CONFIG["num_warps"], CONFIG["num_stages"]
+
+    def common(self):
+        return dict(T=self.T, H=self.H, DK=self.DK, DV=self.DV, BT=self.BT, BK=self.BK, BV=self.BV,
+                    VARLEN=self.cu_seqlens is not None, PRECISION=self.precision, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
+
+    def state(self, *trailing, dtype=torch.float32, device=None):
+        return torch.empty(self.N, self.H, *trailing, dtype=dtype, device=device)
+
+
+def _forward(q, k, v, g: _Launch, normalize, eps, causal, initial, want_final):
+    """Returns o, the per-token aux (den or a) and the final state (S, z, u, n)."""
+    dev = q.device
+    o = torch.empty_like(v)
+    aux = torch.empty(g.tokens, g.H, dtype=torch.float32, device=dev)
+    final = (g.state(g.DK, g.DV, device=dev), g.state(g.DK, device=dev), g.state(g.DV, device=dev),
+             g.state(device=dev))
+    dummy = aux
+    s_in, z_in, u_in, n_in = initial if initial is not None else (dummy,) * 4
+
+    def launch(intra, update, store_o, has_initial, store_final, states):
+        _forward_kernel[g.grid](
+            q, k, v, o, aux, *states, *final, g.cu_seqlens, eps=eps, NORMALIZE=NORMALIZE_CODES[normalize],
+            INTRA=intra, UPDATE=update, STORE_O=store_o, HAS_INITIAL=has_initial, STORE_FINAL=store_final,
+            **g.common())
+
+    if causal:
+        launch(True, True, True, initial is not None, want_final, (s_in, z_in, u_in, n_in))
+    else:  # sum the whole sequence into the state, then apply it to every token
+        launch(False, True, False, initial is not None, True, (s_in, z_in, u_in, n_in))
+        totals = tuple(t.clone() for t in final)
+        launch(False, False, True, True, False, totals)
+    return o, aux, final
+
+
+def _segment_sums(x, g: _Launch, *, causal):
+    """Per token: Σ over its sequence up to and including it (causal) or over all of it; and the totals.
+
+    x is [tokens, H, ...] fp32. Also returns each sequence's total, [N, H, ...].
+    """
+    seg = _segment_index(g, x.device)
+    totals = torch.zeros(g.N, *x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, seg, x)
+    if not causal:
+        return totals[seg], totals
+    inclusive = x.cumsum(0)
+    before = torch.cat([torch.zeros_like(inclusive[:1]), inclusive])[_segment_starts(g, x.device)]
+    return inclusive - before[seg], totals
+
+
+def _segment_starts(g: _Launch, device):
+    if g.cu_seqlens is None:
+        return torch.arange(g.N, device=device) * g.T
+    return g.cu_seqlens[:-1].long()
+
+
+def _segment_index(g: _Launch, device):
+    if g.cu_seqlens is None:
+        return torch.arange(g.N, device=device).repeat_interleave(g.T)
+    return torch.repeat_interleave(torch.arange(g.N, device=device), g.cu_seqlens.diff().long(),
+                                   output_size=g.tokens)
+
+
+def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normalize, causal, want_d_initial):
+    """Gradients of q, k, v and of the initial state (S, z, u), given dO and the final state's gradient."""
+    dev, dtype = q.device, q.dtype
+    do = do.contiguous()
+    dS_T, dz_T, du_T = d_final
+    gscale = delta = dv_extra = du_0 = None
+    if normalize == "divisive":
+        gscale = 1.0 / aux
+        delta = -(do.float() * o.float()).sum(-1).reshape(g.tokens, g.H) * gscale
+    elif normalize == "subtractive":
+        seg = _segment_index(g, dev)
+        u_t, _ = _segment_sums(v.reshape(g.tokens, g.H, g.DV).float(), g, causal=causal)
+        n_t, _ = _segment_sums(torch.ones(g.tokens, g.H, dtype=torch.float32, device=dev), g, causal=causal)
+        if initial is not None:
+            u_t, n_t = u_t + initial[2][seg], n_t + initial[3][seg]
+        gscale = 1.0 / n_t
+        do_f = do.reshape(g.tokens, g.H, g.DV).float()
+        delta = -(do_f * u_t).sum(-1) * gscale ** 2
+        du = do_f * ((1.0 - aux * gscale) * gscale)[..., None]
+        inclusive, du_0 = _segment_sums(du, g, causal=causal)
+        dv_extra = du_0[seg] - inclusive + du if causal else inclusive  # Σ over the tokens that see v_j
+        if du_T is not None:
+            dv_extra, du_0 = dv_extra + du_T[seg], du_0 + du_T
+    has_delta = delta is not None
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    gscale = dummy if gscale is None else gscale.contiguous()
+    delta = dummy if delta is None else delta.contiguous()
+    block_stride = g.tokens * g.H * g.DK
+    flags = dict(HAS_SCALE=normalize != "none", HAS_DELTA=has_delta, **g.common())
+
+    # dq: forward sweep over the state S (the whole sequence's, when not causal)
+    states = initial if causal else final
+    partial_dtype = torch.float32 if g.NV > 1 else dtype  # each value block adds its share to dq and dk
+    dq = torch.empty(g.NV, g.tokens, g.H, g.DK, dtype=partial_dtype, device=dev)
+    _backward_dq_kernel[g.grid](
+        k, v, do, gscale, delta, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
+        block_stride=block_stride, INTRA=causal, HAS_INITIAL=states is not None, **flags)
+
+    # dk, dv: reverse sweep over dS = Σ_later qᵀg' (for non-causal, first sum it over the whole sequence)
+    dk = torch.empty(g.NV, g.tokens, g.H, g.DK, dtype=partial_dtype, device=dev)
+    # subtractive adds a second term to dv: keep the first in fp32 so the two do not cancel in bf16
+    dv = torch.empty_like(v, dtype=torch.float32 if dv_extra is not None else dtype)
+    dS_0, dz_0 = g.state(g.DK, g.DV, device=dev), g.state(g.DK, device=dev)
+    has_final_grad = dS_T is not None or dz_T is not None
+    if has_final_grad:
+        dS_T = torch.zeros_like(dS_0) if dS_T is None else dS_T.float().contiguous()
+        dz_T = torch.zeros_like(dz_0) if dz_T is None else dz_T.float().contiguous()
+    else:
+        dS_T = dz_T = dummy
+
+    def sweep(intra, update, store_dkdv, has_final, d_in, store_ds):
+        _backward_dkdv_kernel[g.grid](
+            q, k, v, do, gscale, delta, dk, dv, *d_in, dS_0, dz_0, g.cu_seqlens, block_stride=block_stride,
+            INTRA=intra, UPDATE=update, STORE_DKDV=store_dkdv, HAS_FINAL_GRAD=has_final, STORE_DS=store_ds,
+            **flags)
+
+    if causal:
+        sweep(True, True, True, has_final_grad, (dS_T, dz_T), want_d_initial)
+    else:
+        sweep(False, True, False, has_final_grad, (dS_T, dz_T), True)
+        sweep(False, False, True, True, (dS_0.clone(), dz_0.clone()), False)
+
+    dq, dk = (dq.sum(0), dk.sum(0)) if g.NV > 1 else (dq[0], dk[0])
+    if dv_extra is not None:
+        dv = dv + dv_extra.reshape(dv.shape)
+    shape = q.shape
+    grads = (dq.reshape(shape).to(dtype), dk.reshape(k.shape).to(dtype), dv.to(dtype))
+    if not want_d_initial:
+        return grads, (None, None, None)
+    return grads, (dS_0, dz_0 if normalize != "none" else None, du_0)
+
+
+class _LinearAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, S_0, z_0, u_0, n_0, cu_seqlens, normalize, eps, causal, chunk_size):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        g = _Launch(q, v, cu_seqlens, chunk_size)
+        initial = None
+        if S_0 is not None:
+            initial = tuple(t.float().contiguous() for t in (S_0, z_0, u_0, n_0))
+        o, aux, final = _forward(q, k, v, g, normalize, eps, causal, initial, want_final=True)
+        ctx.save_for_backward(q, k, v, o, aux, *(initial or ()), *(final if not causal else ()))
+        ctx.launch, ctx.normalize, ctx.causal = g, normalize, causal
+        ctx.has_initial = initial is not None
+        ctx.mark_non_differentiable(final[3])
+        return o, *final
+
+    @staticmethod
+    def backward(ctx, do, dS_T, dz_T, du_T, _dn_T):
+        q, k, v, o, aux, *rest = ctx.saved_tensors
+        initial = tuple(rest[:4]) if ctx.has_initial else None
+        final = tuple(rest[-4:]) if not ctx.causal else None
+        want_d_initial = ctx.has_initial and any(ctx.needs_input_grad[3:6])
+        (dq, dk, dv), (dS_0, dz_0, du_0) = _backward(
+            do, q, k, v, o, aux, initial, final, (dS_T, dz_T, du_T), ctx.launch, ctx.normalize, ctx.causal,
+            want_d_initial)
+        return dq, dk, dv, dS_0, dz_0, du_0, None, None, None, None, None, None
+
+
+def linear_attention_triton(q, k, v, *, causal=True, normalize="divisive", eps=1e-6, cu_seqlens=None,
+                            initial_state=None, output_final_state=False, chunk_size=64):
+    """``linear_attention(..., impl="triton")``: same arguments (already checked there) and results."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {q.device}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"impl='triton' takes fp32, bf16 or fp16; got {q.dtype} (use impl='chunk')")
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    zeros = zero_state(num, q.shape[2], q.shape[3], v.shape[3], "subtractive", dtype=torch.float32, device=q.device)
+    initial = (None,) * 4 if initial_state is None else tuple(
+        zero if s is None else s for s, zero in zip(initial_state, zeros))
+    o, *final = _LinearAttention.apply(q, k, v, *initial, cu_seqlens, normalize, eps, causal, chunk_size)
+    if not output_final_state:
+        return o
+    kept = FIELDS[normalize]
+    return o, LinearAttentionState(*(s if f in kept else None for f, s in zip(LinearAttentionState._fields, final)))

@@ -1,0 +1,133 @@
+"""The Triton kernels held to the naive O(T²) reference, forward and every gradient (REFERENCE §1, §4, §7).
+
+Without a GPU the same kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set here before
+Triton is imported); shapes stay small because the interpreter is slow. The reference runs in fp64.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from pretrain.ops.linear_attention import LinearAttentionState, linear_attention  # noqa: E402
+from pretrain.ops.linear_attention.state import FIELDS  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NORMALIZATIONS = ("none", "divisive", "subtractive")
+
+
+def relative_error(got, want):
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def make_inputs(batch, length, heads, dk, dv, dtype, *, seed):
+    """Positive features (as after φ) so divisive denominators stay away from zero; fresh per test."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.rand(batch, length, heads, dk, generator=gen)
+    k = torch.rand(batch, length, heads, dk, generator=gen)
+    v = torch.randn(batch, length, heads, dv, generator=gen)
+    return [t.to(DEVICE, dtype).requires_grad_() for t in (q, k, v)]
+
+
+def make_state(num, heads, dk, dv, normalize, *, seed):
+    """A random initial state with the fields ``normalize`` carries (n a positive count)."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = {"S": torch.rand(num, heads, dk, dv, generator=gen), "z": torch.rand(num, heads, dk, generator=gen),
+             "u": torch.randn(num, heads, dv, generator=gen),
+             "n": torch.randint(1, 9, (num, heads), generator=gen).float()}
+    return LinearAttentionState(**{f: parts[f].to(DEVICE).requires_grad_(f != "n") for f in FIELDS[normalize]})
+
+
+def run_both(q, k, v, state, *, seed, **kwargs):
+    """Outputs, final states and gradients (of o and of the final state) from triton and from fp64 naive."""
+    results = []
+    for impl in ("triton", "naive"):
+        cast = (lambda t: t.double()) if impl == "naive" else (lambda t: t)
+        init = None if state is None else LinearAttentionState(*(None if s is None else cast(s) for s in state))
+        o, final = linear_attention(cast(q), cast(k), cast(v), initial_state=init, output_final_state=True,
+                                    impl=impl, **kwargs)
+        results.append((o, final))
+    (o, final), (ref_o, ref_final) = results
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = [torch.randn(t.shape, generator=gen).to(DEVICE) for t in (o, *final[:3]) if t is not None]
+    leaves = [q, k, v] + ([s for s in state[:3] if s is not None] if state is not None else [])
+    grads = []
+    for out, fin in ((o, final), (ref_o, ref_final)):
+        terms = [out, *(f for f in fin[:3] if f is not None)]
+        loss = sum((t * w.to(t.dtype)).sum() for t, w in zip(terms, weights))
+        grads.append(torch.autograd.grad(loss, leaves))
+    return (o, final, grads[0]), (ref_o, ref_final, grads[1])
+
+
+def assert_close(got, want, tol, what):
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    err = relative_error(got, want)
+    assert err < tol, f"{what}: relative error {err:.2e} ≥ {tol:.0e}"
+
+
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "global"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "cu_seqlens"])
+def test_matches_naive_fp32(normalize, causal, packed):
+    """Awkward sizes (T not a multiple of the chunk, head dims not powers of two), a random initial state,
+    the final state, and the gradients of all of them."""
+    seed = 4 * NORMALIZATIONS.index(normalize) + 2 * causal + packed
+    if packed:
+        q, k, v = make_inputs(1, 45, 2, 12, 20, torch.float32, seed=seed)
+        cu_seqlens = torch.tensor([0, 5, 21, 45], dtype=torch.int32, device=DEVICE)  # 5 < chunk, 16 = chunk
+        num = 3
+    else:
+        q, k, v = make_inputs(2, 37, 2, 12, 20, torch.float32, seed=seed)
+        cu_seqlens, num = None, 2
+    state = make_state(num, 2, 12, 20, normalize, seed=seed)
+    (o, final, grads), (ref_o, ref_final, ref_grads) = run_both(
+        q, k, v, state, seed=seed, causal=causal, normalize=normalize, cu_seqlens=cu_seqlens, chunk_size=16)
+    assert_close(o, ref_o, 1e-5, "o")
+    for field in FIELDS[normalize]:
+        assert_close(getattr(final, field), getattr(ref_final, field), 1e-5, f"final {field}")
+    names = ["dq", "dk", "dv"] + [f"d initial {f}" for f in FIELDS[normalize][:3]]
+    for name, got, want in zip(names, grads, ref_grads):
+        assert_close(got, want, 1e-5, name)
+
+
+@pytest.mark.parametrize("normalize,dtype,tol", [
+    ("none", torch.bfloat16, 1e-2), ("divisive", torch.bfloat16, 1e-2),
+    ("none", torch.float16, 2e-3), ("divisive", torch.float16, 2e-3), ("subtractive", torch.float16, 3e-3),
+])
+def test_half_precision_with_several_value_blocks(normalize, dtype, tol):
+    """bf16/fp16 inputs with fp32 states; Dv = 80 spans two value blocks, so dq and dk are summed over them.
+
+    Subtractive in bf16 is left out on purpose: its two terms cancel (weights centred around 1/n), which
+    magnifies bf16's rounding of the C×C score tile beyond the 1e-2 that bf16 operands earn.
+    """
+    q, k, v = make_inputs(1, 70, 1, 24, 80, dtype, seed=7)
+    (o, _, grads), (ref_o, _, ref_grads) = run_both(q, k, v, None, seed=7, normalize=normalize, chunk_size=32)
+    assert o.dtype == dtype
+    assert_close(o, ref_o, tol, "o")
+    for name, got, want in zip(["dq", "dk", "dv"], grads, ref_grads):
+        assert got.dtype == dtype
+        assert_close(got, want, tol, name)
+
+
+def test_chunk_size_does_not_change_results():
+    """The chunk size is only the tiling: 16, 32 and 64 agree to fp32 rounding, T shorter than a chunk too."""
+    q, k, v = make_inputs(1, 50, 3, 16, 16, torch.float32, seed=3)
+    outs = [linear_attention(q, k, v, chunk_size=c, impl="triton") for c in (16, 32, 64)]
+    for other in outs[1:]:
+        assert_close(other, outs[0], 1e-6, "o across chunk sizes")
+    short = [t[:, :5] for t in (q, k, v)]
+    assert_close(linear_attention(*short, impl="triton"), linear_attention(*short, impl="naive"), 1e-6, "T=5")
+
+
+def test_state_carries_across_calls():
+    """Two halves with the first half's final state as the second's initial state equal one whole call."""
+    q, k, v = make_inputs(2, 40, 2, 8, 8, torch.float32, seed=5)
+    whole = linear_attention(q, k, v, normalize="subtractive", impl="triton")
+    first, state = linear_attention(q[:, :17], k[:, :17], v[:, :17], normalize="subtractive",
+                                    output_final_state=True, impl="triton")
+    second = linear_attention(q[:, 17:], k[:, 17:], v[:, 17:], normalize="subtractive", initial_state=state,
+                              impl="triton")
+    assert_close(torch.cat([first, second], dim=1), whole, 1e-6, "o split in two")
