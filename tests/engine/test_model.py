@@ -1,0 +1,152 @@
+"""The causal LM: shapes, causality, document boundaries, hybrids from the registry, init, FLOPs, learning."""
+import math
+from typing import ClassVar
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from pretrain.attention import REGISTRY
+from pretrain.config import ModelConfig
+from pretrain.models import build_lm
+
+
+def model_cfg(**overrides):
+    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {"vocab_size": 50, "dim": 32, "n_layers": 2,
+                                                               "n_heads": 4, **overrides})
+
+
+class TokenShift(nn.Module):
+    """A stand-in for a later mixer: each token sees its predecessor in the same document (causal, no attention)."""
+
+    supports_causal: ClassVar[bool] = True
+
+    def __init__(self, dim, num_heads, *, causal=True, scale: float = 1.0):
+        super().__init__()
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.scale = scale
+
+    def forward(self, x, *, cu_seqlens=None, position_ids=None):
+        shifted = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+        if position_ids is not None:
+            shifted = shifted * (position_ids[..., None] > 0)
+        return self.o_proj(self.scale * shifted)
+
+    def flops_per_token(self, seq_len):
+        return 2 * self.o_proj.in_features * self.o_proj.out_features
+
+
+@pytest.fixture
+def token_shift(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "token_shift", TokenShift)
+
+
+def test_logits_shape_and_position_ids_default_to_one_document_per_row():
+    torch.manual_seed(0)
+    model = build_lm(model_cfg())
+    ids = torch.randint(0, 50, (3, 11))
+    logits = model(ids)
+    assert logits.shape == (3, 11, 50)
+    torch.testing.assert_close(model(ids, torch.arange(11).expand(3, 11)), logits)
+
+
+def test_future_tokens_do_not_change_past_logits():
+    torch.manual_seed(0)
+    model = build_lm(model_cfg())
+    ids = torch.randint(0, 50, (2, 12))
+    changed = ids.clone()
+    changed[:, 7:] = (changed[:, 7:] + 1) % 50
+    before, after = model(ids), model(changed)
+    torch.testing.assert_close(before[:, :7], after[:, :7])
+    assert not torch.allclose(before[:, 7:], after[:, 7:])
+
+
+@pytest.mark.parametrize("pattern", [[], ["token_shift", "softmax"]])
+def test_packed_documents_give_what_each_document_gives_alone(pattern, token_shift):
+    torch.manual_seed(0)
+    model = build_lm(model_cfg(layer_pattern=pattern)).double()
+    ids = torch.randint(0, 50, (2, 9))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 0]])
+    packed = model(ids, position_ids)
+    for row, start, end in [(0, 0, 3), (0, 3, 9), (1, 0, 8), (1, 8, 9)]:
+        torch.testing.assert_close(packed[row, start:end], model(ids[row:row + 1, start:end])[0])
+
+
+def test_layer_pattern_repeats_to_n_layers_and_options_reach_the_mixer(token_shift):
+    cfg = model_cfg(n_layers=4, layer_pattern=["token_shift", "softmax"],
+                    mixer_options={"token_shift": {"scale": 0.5}, "softmax": {"qk_norm": True}}, rope_theta=123.0)
+    model = build_lm(cfg)
+    assert [type(block.mixer).__name__ for block in model.layers] == ["TokenShift", "SoftmaxAttention"] * 2
+    assert model.layers[0].mixer.scale == 0.5
+    softmax = model.layers[1].mixer
+    assert softmax.rope_theta == 123.0 and isinstance(softmax.q_norm, nn.RMSNorm)  # model.rope_theta is shared
+    override = build_lm(model_cfg(mixer_options={"softmax": {"rope_theta": 7.0}}))
+    assert override.layers[0].mixer.rope_theta == 7.0  # the mixer's own option wins
+
+
+def test_tied_and_untied_embeddings():
+    tied, untied = build_lm(model_cfg()), build_lm(model_cfg(tie_embeddings=False))
+    assert tied.lm_head.weight is tied.embed.weight
+    assert untied.lm_head.weight is not untied.embed.weight
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(untied) - count(tied) == 50 * 32
+
+
+def test_ffn_width_defaults_to_eight_thirds_rounded_up():
+    assert build_lm(model_cfg(dim=96, multiple_of=64)).layers[0].ffn.up_proj.out_features == 256  # 8/3·96 = 256
+    assert build_lm(model_cfg(dim=100, n_heads=2, multiple_of=64)).layers[0].ffn.up_proj.out_features == 320
+    assert build_lm(model_cfg(ffn_hidden=72)).layers[0].ffn.up_proj.out_features == 72
+
+
+def test_init_scales_residual_output_projections_by_depth():
+    torch.manual_seed(0)
+    n_layers, std = 8, 0.05
+    model = build_lm(model_cfg(dim=256, n_heads=4, n_layers=n_layers, init_std=std, vocab_size=300))
+    residual_std = std / math.sqrt(2 * n_layers)
+    for block in model.layers:
+        for weight, expected in [(block.mixer.q_proj.weight, std), (block.ffn.gate_proj.weight, std),
+                                 (block.mixer.o_proj.weight, residual_std), (block.ffn.down_proj.weight, residual_std)]:
+            assert weight.std().item() == pytest.approx(expected, rel=0.03)
+            assert weight.mean().abs().item() < 0.05 * expected
+    assert model.embed.weight.std().item() == pytest.approx(std, rel=0.03)
+    assert torch.all(block.mixer_norm.weight == 1)
+
+
+def test_flops_per_token_is_mixers_plus_ffn_plus_head(token_shift):
+    dim, vocab, seq_len, hidden = 64, 100, 40, 192
+    model = build_lm(model_cfg(dim=dim, vocab_size=vocab, n_layers=4, layer_pattern=["softmax", "token_shift"]))
+    softmax = 4 * 2 * dim * dim + 2 * 2 * (seq_len / 2) * dim
+    token_shift_flops = 2 * dim * dim
+    ffn = 3 * 2 * dim * hidden
+    assert model.flops_per_token(seq_len) == 2 * softmax + 2 * token_shift_flops + 4 * ffn + 2 * dim * vocab
+
+
+def test_unresolved_vocab_size_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match="model.vocab_size"):
+        build_lm(model_cfg(vocab_size=0))
+
+
+def test_builds_on_the_meta_device_without_memory():
+    with torch.device("meta"):
+        model = build_lm(model_cfg(dim=2048, n_layers=24, n_heads=16, vocab_size=32000))
+    assert next(model.parameters()).is_meta
+    assert 1.2e9 < sum(p.numel() for p in model.parameters()) < 1.3e9
+
+
+def test_learns_to_continue_a_repeated_sequence():
+    """A few AdamW steps on one periodic batch drive the loss well below chance: gradients reach every part."""
+    torch.manual_seed(0)
+    model = build_lm(model_cfg(n_layers=2))
+    ids = torch.arange(40).remainder(7).expand(4, 40) + 3
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        logits = model(ids[:, :-1])
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 0.8 * math.log(50) and losses[-1] < 0.5
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
