@@ -6,3 +6,9 @@ from .registry import REGISTRY, build_mixer, mixer_options, register
 
 # Mixer modules (one import line each; the import registers the name):
 from . import softmax
+from . import linear
+from . import cosine
+from . import efficient
+from . import inline
+from . import aft
+from . import soft

@@ -1,0 +1,173 @@
+"""AFT mixers (Zhai et al. 2021, REFERENCE §5): ``aft_full``, ``aft_local``, ``aft_simple`` and ``aft_conv``.
+
+Each projects x to Q, K, V of ``dim`` channels, applies its op from ``pretrain.ops.aft`` and projects back.
+AFT mixes per channel and has no heads: ``num_heads`` is taken for the common signature and used only by
+``aft_conv``, whose heads are groups of channels sharing one 2-D kernel. Position biases start at 0, so every
+variant starts out as AFT-simple.
+
+Decoding (``step``): ``aft_local`` and ``aft_simple`` carry a constant-size state — the prefix sums
+``(Σ e^{K−m} V, Σ e^{K−m}, m)`` plus, for the window, the last ``window − 1`` keys and values. ``aft_full``'s bias
+pairs every two positions, so its state is the keys and values so far, bounded by ``max_seq_len``.
+"""
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..ops import aft_conv2d, aft_full, aft_local, aft_simple
+from .common import projection_flops
+from .registry import register
+
+
+class _AFTBase(nn.Module):
+    """Projections around an AFT op; subclasses define ``mix(q, k, v, cu_seqlens, hw)`` on ``[B, T, C]``."""
+
+    def __init__(self, dim: int, num_heads: int, causal: bool):
+        super().__init__()
+        self.dim, self.num_heads, self.causal = dim, num_heads, causal
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
+        batch, seq_len, _ = x.shape
+        flat = (1, batch * seq_len, self.dim) if cu_seqlens is not None else x.shape
+        q, k, v = (proj(x).reshape(flat) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(self.mix(q, k, v, cu_seqlens, hw).reshape(x.shape))
+
+    def _qkv_step(self, x_t):
+        return self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)
+
+
+@register("aft_full")
+class AFTFull(_AFTBase):
+    """A learned bias for every pair of positions up to ``max_seq_len``; ``factor_dim > 0`` factorizes it as
+    ``w = U U'ᵀ`` (U, U' of ``[max_seq_len, factor_dim]``). Longer sequences are refused: there is no bias for them.
+    """
+
+    supports_causal: ClassVar[bool] = True
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, max_seq_len: int = 1024, factor_dim: int = 0):
+        super().__init__(dim, num_heads, causal)
+        self.max_seq_len = max_seq_len
+        if factor_dim > 0:
+            self.bias_left = nn.Parameter(torch.randn(max_seq_len, factor_dim) * 0.02)
+            self.bias_right = nn.Parameter(torch.randn(max_seq_len, factor_dim) * 0.02)
+        else:
+            self.pos_bias = nn.Parameter(torch.zeros(max_seq_len, max_seq_len))
+
+    def bias(self) -> torch.Tensor:
+        """The ``[max_seq_len, max_seq_len]`` bias w."""
+        return self.pos_bias if hasattr(self, "pos_bias") else self.bias_left @ self.bias_right.T
+
+    def mix(self, q, k, v, cu_seqlens, hw):
+        return aft_full(q, k, v, self.bias(), causal=self.causal, cu_seqlens=cu_seqlens)
+
+    def step(self, x_t, state=None):
+        """One token ``[B, C]``; the state is ``(K, V)`` of the tokens so far (None at the start)."""
+        q, k, v = self._qkv_step(x_t)
+        keys, values = (k[:, None], v[:, None]) if state is None else (torch.cat([state[0], k[:, None]], 1),
+                                                                      torch.cat([state[1], v[:, None]], 1))
+        position = keys.shape[1] - 1
+        if position >= self.max_seq_len:
+            raise ValueError(f"aft_full: position {position} is beyond max_seq_len={self.max_seq_len}")
+        weights = torch.softmax(keys + self.bias()[position, : position + 1, None], dim=1)
+        return self.o_proj(torch.sigmoid(q) * (weights * values).sum(1)), (keys, values)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Four projections and the two bias matmuls (numerator, denominator) over ``seq_len`` (½ when causal)."""
+        keys = seq_len / 2 if self.causal else seq_len
+        return projection_flops(self.dim, 4) + 2 * 2 * keys * self.dim
+
+
+@register("aft_local")
+class AFTLocal(_AFTBase):
+    """A relative bias inside ``window`` tokens, 0 outside (distant tokens still count through e^K)."""
+
+    supports_causal: ClassVar[bool] = True
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, window: int = 64, chunk_size: int = 64):
+        super().__init__(dim, num_heads, causal)
+        if window < 1:
+            raise ValueError(f"aft_local: window must be ≥ 1; got {window}")
+        self.window, self.chunk_size = window, chunk_size
+        self.rel_bias = nn.Parameter(torch.zeros(window if causal else 2 * window - 1))
+
+    def mix(self, q, k, v, cu_seqlens, hw):
+        return aft_local(q, k, v, self.rel_bias, window=self.window, causal=self.causal, cu_seqlens=cu_seqlens,
+                         chunk_size=self.chunk_size)
+
+    def step(self, x_t, state=None):
+        """One token ``[B, C]`` → ``(y_t, state)``; constant-size state (see the module docstring)."""
+        return _decode_step(self, x_t, state, self.rel_bias)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Four projections, the prefix sums and the band of ``window`` (``2·window − 1`` non-causal) offsets."""
+        return projection_flops(self.dim, 4) + 2 * 2 * (self.rel_bias.numel() + 1) * self.dim
+
+
+@register("aft_simple")
+class AFTSimple(_AFTBase):
+    """No position bias: a (prefix) softmax over positions per channel."""
+
+    supports_causal: ClassVar[bool] = True
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64):
+        super().__init__(dim, num_heads, causal)
+        self.chunk_size = chunk_size
+
+    def mix(self, q, k, v, cu_seqlens, hw):
+        return aft_simple(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+
+    def step(self, x_t, state=None):
+        """One token ``[B, C]`` → ``(y_t, state)``; the state is the prefix sums."""
+        return _decode_step(self, x_t, state, None)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Four projections and the prefix sums."""
+        return projection_flops(self.dim, 4) + 2 * 2 * self.dim
+
+
+@register("aft_conv")
+class AFTConv(_AFTBase):
+    """Vision: per-head ``kernel_size``² relative biases on the image grid ``hw=(H, W)`` (a forward keyword)."""
+
+    supports_causal: ClassVar[bool] = False
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = False, kernel_size: int = 7):
+        if causal:
+            raise ValueError("aft_conv has no causal form (its kernel sees both sides); use it non-causally")
+        if dim % num_heads or kernel_size % 2 == 0:
+            raise ValueError(f"aft_conv: dim {dim} must split into num_heads {num_heads}; kernel_size "
+                             f"{kernel_size} must be odd")
+        super().__init__(dim, num_heads, causal)
+        self.kernel_size = kernel_size
+        self.pos_bias = nn.Parameter(torch.zeros(num_heads, kernel_size, kernel_size))
+
+    def mix(self, q, k, v, cu_seqlens, hw):
+        if hw is None or cu_seqlens is not None:
+            raise ValueError("aft_conv works on an image grid: pass hw=(H, W) and no cu_seqlens")
+        return aft_conv2d(q, k, v, self.pos_bias, hw=hw, heads=self.num_heads)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Four projections, two depthwise convolutions and the global sums."""
+        return projection_flops(self.dim, 4) + 2 * 2 * (self.kernel_size ** 2 + 1) * self.dim
+
+
+def _decode_step(mixer, x_t, state, rel_bias):
+    """One causal AFT-local step (AFT-simple when ``rel_bias`` is None) from the prefix sums and recent tokens."""
+    q, k, v = mixer._qkv_step(x_t)
+    if state is None:
+        empty = k.new_zeros(k.shape[0], 0, k.shape[1])
+        state = (torch.zeros_like(k), torch.zeros_like(k), torch.full_like(k, float("-inf")), empty, empty)
+    num, den, running_max, recent_k, recent_v = state
+    new_max = torch.maximum(running_max, k)
+    rescale, exp_k = (running_max - new_max).exp(), (k - new_max).exp()
+    num, den = num * rescale + exp_k * v, den * rescale + exp_k
+    out_num, out_den = num, den
+    if rel_bias is not None:  # offsets 0, 1, … from the newest token back
+        keys = torch.cat([k[:, None], recent_k], 1)
+        values = torch.cat([v[:, None], recent_v], 1)
+        band = (rel_bias[: keys.shape[1]].exp() - 1)[None, :, None] * (keys - new_max[:, None]).exp()
+        out_num, out_den = out_num + (band * values).sum(1), out_den + band.sum(1)
+        recent_k, recent_v = keys[:, : mixer.window - 1], values[:, : mixer.window - 1]
+    y = torch.sigmoid(q) * out_num / out_den
+    return mixer.o_proj(y), (num, den, new_max, recent_k, recent_v)

@@ -1,0 +1,43 @@
+"""Item 2 of the issue: each causal mixer's parallel (chunked) forward equals token-by-token decoding with ``step``."""
+import pytest
+import torch
+
+from tests.mixers.conftest import DIM
+
+CAUSAL_CASES = [
+    ("linear", {}),
+    ("linear", {"feature_map": "relu", "output_norm": True}),
+    ("linear", {"feature_map": "identity", "normalize": "none", "output_norm": True}),
+    ("cosine", {}),
+    ("efficient", {"chunk_size": 4}),
+    ("inline", {}),
+    ("inline", {"local": False}),
+    ("inline", {"conv_size": 1}),
+    ("aft_full", {"max_seq_len": 24}),
+    ("aft_full", {"max_seq_len": 24, "factor_dim": 3}),
+    ("aft_local", {"window": 3, "chunk_size": 4}),
+    ("aft_local", {"window": 6, "chunk_size": 4}),
+    ("aft_simple", {"chunk_size": 4}),
+]
+
+
+@pytest.mark.parametrize("name,options", CAUSAL_CASES, ids=lambda c: str(c))
+def test_chunked_forward_equals_token_by_token(make_mixer, name, options):
+    mixer = make_mixer(name, causal=True, **options)
+    x = torch.randn(2, 19, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    parallel = mixer(x)
+    state, steps = None, []
+    for t in range(x.shape[1]):
+        y_t, state = mixer.step(x[:, t], state)
+        steps.append(y_t)
+    torch.testing.assert_close(torch.stack(steps, dim=1), parallel, rtol=1e-10, atol=1e-10)
+
+
+def test_aft_full_refuses_to_decode_past_its_bias(make_mixer):
+    mixer = make_mixer("aft_full", causal=True, max_seq_len=3)
+    state = None
+    x = torch.randn(1, DIM, dtype=torch.float64)
+    for _ in range(3):
+        _, state = mixer.step(x, state)
+    with pytest.raises(ValueError, match="max_seq_len=3"):
+        mixer.step(x, state)

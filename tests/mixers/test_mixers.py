@@ -1,0 +1,104 @@
+"""The mixer contract for every seed mixer: registry names, causality, packed documents, gradients, FLOPs."""
+import pytest
+import torch
+
+from pretrain.attention import REGISTRY, build_mixer
+from pretrain.ops import cu_seqlens_from_position_ids
+from tests.mixers.conftest import DIM, HEADS
+
+SEQUENCE_MIXERS = {  # name → options small enough for short test sequences
+    "linear": {}, "cosine": {}, "efficient": {"chunk_size": 4}, "inline": {},
+    "aft_full": {"max_seq_len": 32}, "aft_local": {"window": 3, "chunk_size": 4}, "aft_simple": {"chunk_size": 4},
+}
+VISION_ONLY = {"soft": {"landmark_stride": 2}, "aft_conv": {"kernel_size": 3}}
+ALL = {**SEQUENCE_MIXERS, **VISION_ONLY}
+
+
+def test_every_seed_mixer_is_registered():
+    assert set(SEQUENCE_MIXERS) | set(VISION_ONLY) <= set(REGISTRY)
+
+
+@pytest.mark.parametrize("name", sorted(VISION_ONLY))
+def test_mixers_without_a_causal_form_are_refused_for_a_causal_model(name):
+    with pytest.raises(ValueError, match=f"{name!r} has no causal form"):
+        build_mixer(name, DIM, HEADS, causal=True)
+    with pytest.raises(ValueError, match="no causal form"):
+        REGISTRY[name](DIM, HEADS, causal=True)
+
+
+def test_unknown_and_bad_options_are_named():
+    with pytest.raises(ValueError, match="windw"):
+        build_mixer("aft_local", DIM, HEADS, causal=True, options={"windw": 4})
+    with pytest.raises(ValueError, match="feature_map"):
+        build_mixer("linear", DIM, HEADS, causal=True, options={"feature_map": "tanh"})
+    with pytest.raises(ValueError, match="identity"):
+        build_mixer("linear", DIM, HEADS, causal=True, options={"feature_map": "identity"})
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCE_MIXERS))
+def test_causal_output_ignores_the_future(make_mixer, name):
+    mixer = make_mixer(name, causal=True, **SEQUENCE_MIXERS[name])
+    x = torch.randn(2, 20, DIM, dtype=torch.float64)
+    changed = x.clone()
+    changed[:, 12:] += torch.randn_like(changed[:, 12:])
+    y, y_changed = mixer(x), mixer(changed)
+    torch.testing.assert_close(y[:, :12], y_changed[:, :12], rtol=1e-10, atol=1e-10)
+    assert (y[:, 12:] - y_changed[:, 12:]).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("name", sorted(SEQUENCE_MIXERS))
+def test_packed_documents_equal_separate_sequences(make_mixer, name, causal):
+    """Rows [d0 d1 | d2 d3 d4] packed with cu_seqlens give what each document gives alone."""
+    options = dict(SEQUENCE_MIXERS[name])
+    if name == "inline" and not causal:
+        options["local"] = False  # its non-causal local branch is the 2-D image convolution
+    mixer = make_mixer(name, causal=causal, **options)
+    lengths = [[7, 9], [5, 1, 10]]
+    x = torch.randn(2, 16, DIM, dtype=torch.float64, requires_grad=True)
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    packed = mixer(x, cu_seqlens=cu_seqlens_from_position_ids(position_ids), position_ids=position_ids)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for n in row_lengths:
+            alone = mixer(x[row:row + 1, start:start + n], position_ids=torch.arange(n)[None])
+            torch.testing.assert_close(packed[row:row + 1, start:start + n], alone, rtol=1e-10, atol=1e-10)
+            start += n
+    packed.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().amax() > 0
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_gradients_reach_every_parameter(make_mixer, name):
+    options = ALL[name]
+    mixer = make_mixer(name, causal=False, **options)
+    x = torch.randn(2, 24, DIM, dtype=torch.float64)
+    mixer(x, hw=(4, 6)).square().sum().backward()
+    for pname, param in mixer.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), pname
+        if pname != "pos_bias" or name != "aft_full":  # rows/columns beyond T=24 of a 32×32 bias stay unused
+            assert param.grad.abs().amax() > 0, pname
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_flops_per_token_counts_the_projections_and_more(name):
+    options = ALL[name]
+    mixer = build_mixer(name, DIM, HEADS, causal=name not in VISION_ONLY, options=options)
+    projections = 2 * DIM * DIM * sum(isinstance(m, torch.nn.Linear) for m in mixer.modules())
+    flops = mixer.flops_per_token(32)
+    assert projections < flops < 50 * projections
+
+
+@pytest.mark.parametrize("name", ["aft_full", "softmax"])
+def test_only_quadratic_mixers_grow_with_sequence_length(name):
+    mixer = build_mixer(name, DIM, HEADS, causal=True)
+    assert mixer.flops_per_token(1024) > mixer.flops_per_token(32)
+    for linear_time in ["linear", "cosine", "efficient", "inline", "aft_local", "aft_simple"]:
+        other = build_mixer(linear_time, DIM, HEADS, causal=True)
+        assert other.flops_per_token(1024) == other.flops_per_token(32)
+
+
+def test_aft_full_refuses_sequences_beyond_its_bias(make_mixer):
+    mixer = make_mixer("aft_full", causal=True, max_seq_len=8)
+    with pytest.raises(ValueError, match="T_max"):
+        mixer(torch.randn(1, 9, DIM, dtype=torch.float64))
