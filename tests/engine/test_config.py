@@ -1,0 +1,187 @@
+"""The config schema: YAML + overrides, every bad input refused naming its key, vocab from a real tokenizer."""
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import sentencepiece
+from omegaconf import OmegaConf
+from torch import nn
+
+from pretrain.attention import REGISTRY
+from pretrain.config import ConfigError, load_config, save_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DATA = ["data.tokenizer=tok.model", "data.train_shards=shards/shard-{000000..000003}.tar"]
+
+
+def load(*overrides, path=None):
+    return load_config(path, [*DATA, *overrides])
+
+
+def refused(key, *overrides, path=None):
+    """Loading fails with a ConfigError naming ``key``; returns the message for further checks."""
+    with pytest.raises(ConfigError) as err:
+        load(*overrides, path=path)
+    assert err.value.key == key and str(err.value).startswith(f"{key}:")
+    return str(err.value)
+
+
+class WholeSequenceMixer(nn.Module):
+    """A non-causal mixer (like SOFT): a causal LM must refuse it."""
+
+    supports_causal: ClassVar[bool] = False
+
+    def __init__(self, dim, num_heads, *, causal=True):
+        super().__init__()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Path:
+    """A real sentencepiece model (vocabulary 40) trained on generated text."""
+    out = tmp_path_factory.mktemp("tok")
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    text = out / "corpus.txt"
+    text.write_text("\n".join(" ".join(words[(i * j) % 8] for j in range(12)) for i in range(200)))
+    sentencepiece.SentencePieceTrainer.train(input=str(text), model_prefix=str(out / "sp"), vocab_size=40,
+                                             model_type="bpe", minloglevel=2)
+    return out / "sp.model"
+
+
+def test_defaults_yaml_and_overrides_merge(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {dim: 64, n_heads: 2}\ntrain: {seq_len: 128}\nrun: {dir: \"runs/${model.mixer}_x\"}\n")
+    cfg = load("train.seq_len=256", "optim.betas=[0.8,0.99]", path=path)
+    assert cfg.model.dim == 64 and cfg.model.n_layers == 4  # YAML over the schema's defaults
+    assert cfg.train.seq_len == 256 and list(cfg.optim.betas) == [0.8, 0.99]  # overrides over YAML
+    assert cfg.run.dir == "runs/softmax_x"  # interpolations resolved
+    assert cfg.data.train_shards == "shards/shard-{000000..000003}.tar"
+
+
+@pytest.mark.parametrize("name", ["tiny_lm", "softmax_lm_1b"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml", [])
+    assert cfg.task == "lm" and cfg.train.seq_len > 0
+
+
+def test_aft_config_names_its_mixer_until_registered():
+    if "aft_local" in REGISTRY:
+        assert load_config(CONFIGS / "aft_lm_1b.yaml", []).model.mixer == "aft_local"
+    else:
+        with pytest.raises(ConfigError, match="model.mixer: mixer 'aft_local' is not registered"):
+            load_config(CONFIGS / "aft_lm_1b.yaml", [])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.colour=blue", "model.colour"),
+    ("trian.seq_len=3", "trian"),
+    ("model.dim=wide", "model.dim"),
+    ("train.max_steps=1.5", "train.max_steps"),
+    ("deepspeed.offload_optimizer=perhaps", "deepspeed.offload_optimizer"),
+    ("optim.betas=0.9", "optim.betas"),
+])
+def test_unknown_keys_and_wrong_types_name_the_key(override, key):
+    refused(key, override)
+
+
+def test_override_without_equals_sign_is_refused():
+    refused("train.seq_len", "train.seq_len")
+
+
+def test_missing_values_name_the_key():
+    with pytest.raises(ConfigError, match="data.train_shards: no value given"):
+        load_config(None, ["data.tokenizer=tok.model"])
+
+
+def test_bad_files_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "absent.yaml", [])
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: {dim: [64\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        load_config(broken, [])
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="list.yaml: the top level"):
+        load_config(listing, [])
+
+
+def test_unknown_key_in_yaml_names_key_and_file(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("deepspeed: {zero_stag: 2}\n")
+    assert "typo.yaml" in refused("deepspeed.zero_stag", path=path)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["task=vision"], "task"),
+    (["deepspeed.precision=fp8"], "deepspeed.precision"),
+    (["schedule.name=linear"], "schedule.name"),
+    (["model.n_heads=3"], "model.n_heads"),
+    (["model.dim=0"], "model.dim"),
+    (["train.seq_len=-1"], "train.seq_len"),
+    (["optim.min_lr=1.0", "optim.lr=0.1"], "optim.min_lr"),
+    (["optim.betas=[0.9,1.5]"], "optim.betas"),
+    (["optim.betas=[0.9]"], "optim.betas"),
+    (["schedule.warmup_steps=2000", "train.max_steps=1000"], "schedule.warmup_steps"),
+    (["schedule.name=wsd", "schedule.decay_steps=0"], "schedule.decay_steps"),
+    (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
+    (["deepspeed.offload_optimizer=true", "deepspeed.zero_stage=0"], "deepspeed.offload_optimizer"),
+    (["deepspeed.offload_params=true", "deepspeed.zero_stage=2"], "deepspeed.offload_params"),
+    (["data.train_shards=pipe:curl -s http://x/{0..3}.tar"], "data.train_shards"),
+    (["data.val_shards=pipe:cat v.tar"], "data.val_shards"),
+    (["model.n_layers=6", "model.layer_pattern=[softmax,softmax,softmax,softmax]"], "model.layer_pattern"),
+])
+def test_impossible_values_and_combinations_name_the_key(overrides, key):
+    refused(key, *overrides)
+
+
+def test_pipe_urls_pass_when_allowed():
+    assert load("data.train_shards=pipe:cat a.tar", "data.allow_pipe=true").data.allow_pipe
+
+
+def test_unregistered_mixers_name_their_key():
+    assert "registered: " in refused("model.mixer", "model.mixer=nonexistent")
+    refused("model.layer_pattern[1]", "model.n_layers=2", "model.layer_pattern=[softmax,nonexistent]")
+    refused("model.mixer_options.nonexistent", "model.mixer_options.nonexistent.width=3")
+
+
+def test_non_causal_mixer_is_refused_by_a_causal_lm(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "whole_sequence", WholeSequenceMixer)
+    assert "no causal form" in refused("model.mixer", "model.mixer=whole_sequence")
+    refused("model.layer_pattern[3]", "model.layer_pattern=[softmax,softmax,softmax,whole_sequence]")
+
+
+def test_mixer_options_are_checked_by_name_type_and_construction():
+    assert "qk_norm" in refused("model.mixer_options.softmax.rope_thetta", "model.mixer_options.softmax.rope_thetta=5")
+    refused("model.mixer_options.softmax.qk_norm", "model.mixer_options.softmax.qk_norm=maybe")
+    refused("model.mixer_options.softmax.rope_theta", "model.mixer_options.softmax.rope_theta=big")
+    message = refused("model.mixer_options.softmax", "model.dim=36", "model.n_heads=4")  # head dim 9: odd
+    assert "even head dimension" in message
+    cfg = load("model.mixer_options.softmax.rope_theta=500000", "model.mixer_options.softmax.qk_norm=true")
+    assert cfg.model.mixer_options.softmax == {"rope_theta": 500000, "qk_norm": True}
+
+
+def test_vocab_size_comes_from_the_tokenizer(tokenizer):
+    cfg = load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar"])
+    assert cfg.model.vocab_size == 40
+    assert load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar",
+                              "model.vocab_size=64"]).model.vocab_size == 64  # padded up is fine
+    with pytest.raises(ConfigError, match="model.vocab_size: 32 is smaller than the tokenizer's vocabulary"):
+        load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar", "model.vocab_size=32"])
+    assert load().model.vocab_size == 0  # no tokenizer file: left for build_lm to refuse
+
+
+def test_a_file_that_is_not_a_tokenizer_names_the_key(tmp_path):
+    junk = tmp_path / "junk.model"
+    junk.write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ConfigError, match="data.tokenizer: cannot load"):
+        load_config(None, [f"data.tokenizer={junk}", "data.train_shards=x.tar"])
+
+
+def test_saved_config_reloads_identically_and_atomically(tmp_path, tokenizer):
+    cfg = load_config(CONFIGS / "tiny_lm.yaml", [f"data.tokenizer={tokenizer}", "model.dim=64", "run.dir=${model.mixer}"])
+    path = tmp_path / "run" / "config.yaml"
+    save_config(cfg, path)
+    assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]  # no temporary file left behind
+    assert "vocab_size: 40" in path.read_text()  # the resolved value, for eval tools that read it back
+    assert load_config(path, []) == cfg
+    assert OmegaConf.to_container(load_config(path, [])) == OmegaConf.to_container(cfg)
