@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.mixers.conftest import DIM
+DIM = 16  # the default width of the make_mixer fixture
 
 CAUSAL_CASES = [
     ("linear", {}),

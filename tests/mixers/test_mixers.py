@@ -4,8 +4,8 @@ import torch
 
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.ops import cu_seqlens_from_position_ids
-from tests.mixers.conftest import DIM, HEADS
 
+DIM, HEADS = 16, 2  # the default size of the make_mixer fixture
 SEQUENCE_MIXERS = {  # name → options small enough for short test sequences
     "linear": {}, "cosine": {}, "efficient": {"chunk_size": 4}, "inline": {},
     "aft_full": {"max_seq_len": 32}, "aft_local": {"window": 3, "chunk_size": 4}, "aft_simple": {"chunk_size": 4},

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.mixers.conftest import DIM
+DIM = 16  # the default width of the make_mixer fixture
 
 
 @pytest.mark.parametrize("name,options", [("soft", {"landmark_stride": 2}), ("soft", {"symmetric": True}),
