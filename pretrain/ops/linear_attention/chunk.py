@@ -38,16 +38,11 @@ def chunked_core(q, k, v, initial, cu_seqlens, output_final, *, chunk_size):
         cu = cu_seqlens.to(device=q.device, dtype=torch.long)
     q, k, v = (x.reshape(total, heads, x.shape[-1]) for x in (q, k, v))
     chunks = _Chunks(cu, total, chunk_size)
-    if initial is None:
-        initial = q.new_zeros(chunks.num_docs, heads, q.shape[-1], v.shape[-1])
-        has_initial = False
-    else:
-        has_initial = True
-    padded_initial = torch.cat([initial, torch.zeros_like(initial[:1])])  # row N: the padding's document
+    padded_initial = None if initial is None else torch.cat([initial, torch.zeros_like(initial[:1])])  # row N: padding
     o, at_last_chunk = _ChunkScan.apply(q, k, v, padded_initial, chunks)
 
     starts, ends = cu[:-1], cu[1:]
-    if has_initial:  # documents that begin inside a chunk: there, their tokens read their own initial state
+    if initial is not None:  # documents that begin inside a chunk: there, their tokens read their own initial state
         inside = starts % chunk_size != 0
         run_start = starts[inside]
         run_end = torch.minimum(ends[inside], (run_start // chunk_size + 1) * chunk_size)
@@ -60,7 +55,8 @@ def chunked_core(q, k, v, initial, cu_seqlens, output_final, *, chunk_size):
         run_start = torch.maximum(starts, last_start)
         rows_k, _, _ = gather_runs(k, run_start, ends - run_start)
         rows_v, _, _ = gather_runs(v, run_start, ends - run_start)
-        base = torch.where((starts < last_start)[:, None, None, None], at_last_chunk, initial)
+        began_before = (starts < last_start)[:, None, None, None]
+        base = torch.where(began_before, at_last_chunk, 0 if initial is None else initial)
         final = base + torch.einsum("mlhk,mlhv->mhkv", rows_k, rows_v)
     return o.view(batch, length, heads, -1), final
 
@@ -87,7 +83,8 @@ class _Chunks:
         self.first_doc = int(first[0])
         self.next_doc = torch.cat([first[1:], first.new_full((1,), self.num_docs)])  # document at the next start
         self.carries = self.next_doc == first  # the document of this chunk's start runs into the next chunk
-        self.carries_list = self.carries.tolist()
+        self.restarts = torch.cat([self.carries.new_ones(1), ~self.carries[:-1]])  # chunk starts a document
+        self.one_segment = bool(self.carries[:-1].all())  # one document runs through every chunk
         self.last_chunk = (cu[1:] - 1) // size  # the chunk holding each document's last token
         self.reads_state = (doc == first[:, None])[:, None, :, None]  # token continues the chunk-start document
         self.feeds_next = (doc == self.next_doc[:, None])[:, None, :, None]  # token's document runs on
@@ -97,7 +94,7 @@ class _Chunks:
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H, D]`` → ``[NC, H, C, D]``, zero-padded."""
         x = F.pad(x, (0, 0, 0, 0, 0, self.count * self.size - self.total))
-        return x.view(self.count, self.size, *x.shape[1:]).transpose(1, 2)
+        return x.view(self.count, self.size, *x.shape[1:]).transpose(1, 2).contiguous()
 
     def join(self, x: torch.Tensor) -> torch.Tensor:
         """``[NC, H, C, D]`` → ``[T, H, D]``."""
@@ -107,13 +104,28 @@ class _Chunks:
 def _chunk_start_states(K, V, initial, chunks: _Chunks):
     """``[NC, H, D, Dv]``: the state of each chunk's first document before the chunk (initial state included)."""
     handed_on = (K * chunks.feeds_next).transpose(-1, -2) @ V  # what each chunk adds for the next one
-    handed_on = torch.where(chunks.carries[:, None, None, None], handed_on, handed_on + initial[chunks.next_doc])
-    states = torch.empty_like(handed_on)
-    state = initial[chunks.first_doc]
-    for c, carries in enumerate(chunks.carries_list):
-        states[c] = state
-        state = state + handed_on[c] if carries else handed_on[c]
-    return states
+    if initial is None:
+        first = torch.zeros_like(handed_on[:1])
+    else:
+        first = initial[chunks.first_doc][None]
+        handed_on = torch.where(chunks.carries[:, None, None, None], handed_on, handed_on + initial[chunks.next_doc])
+    entering = torch.cat([first, handed_on[:-1]])  # what enters each chunk start
+    return _segment_cumsum(entering, chunks.restarts, chunks.one_segment)
+
+
+def _segment_cumsum(x: torch.Tensor, restart: torch.Tensor, one_segment: bool) -> torch.Tensor:
+    """Inclusive cumsum along dim 0 that starts afresh wherever ``restart`` is True.
+
+    With several segments it sums in fp64, so that subtracting the sum before a segment loses nothing that a
+    sequential fp32 scan would keep.
+    """
+    if one_segment:
+        return x.cumsum(0)
+    total = x.double().cumsum(0)
+    index = torch.arange(x.shape[0], device=x.device)
+    first = torch.where(restart, index, 0).cummax(0).values  # start of each position's segment
+    before = torch.where((first > 0)[:, None, None, None], total[(first - 1).clamp(min=0)], 0)
+    return (total - before).to(x.dtype)
 
 
 class _ChunkScan(torch.autograd.Function):
@@ -122,9 +134,9 @@ class _ChunkScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, initial, chunks: _Chunks):
         Q, K, V = (chunks.split(x) for x in (q, k, v))
-        weights = (Q @ K.transpose(-1, -2)) * chunks.mask
         states = _chunk_start_states(K, V, initial, chunks)
-        o = weights @ V + (Q @ states) * chunks.reads_state
+        o = (Q @ K.transpose(-1, -2)).mul_(chunks.mask) @ V
+        o += (Q @ states).mul_(chunks.reads_state)
         ctx.save_for_backward(q, k, v, initial)
         ctx.chunks = chunks
         ctx.set_materialize_grads(False)
@@ -141,21 +153,19 @@ class _ChunkScan(torch.autograd.Function):
         d_states = (Q * chunks.reads_state).transpose(-1, -2) @ dO
         if d_at_last_chunk is not None:
             d_states.index_add_(0, chunks.last_chunk, d_at_last_chunk)
-        d_handed_on = torch.empty_like(d_states)  # gradient of the state entering chunk c + 1
-        grad = torch.zeros_like(d_states[0])
-        for c in reversed(range(chunks.count)):
-            d_handed_on[c] = grad
-            grad = d_states[c] + grad if chunks.carries_list[c] else d_states[c]
+        # reverse scan: the gradient of the state entering chunk c sums chunks c … to where its document stops
+        d_entering = _segment_cumsum(d_states.flip(0), ~chunks.carries.flip(0), chunks.one_segment).flip(0)
+        d_handed_on = torch.cat([d_entering[1:], torch.zeros_like(d_entering[:1])])  # enters chunk c + 1
 
-        d_weights = (dO @ V.transpose(-1, -2)) * chunks.mask
-        weights = (Q @ K.transpose(-1, -2)) * chunks.mask
-        dQ = d_weights @ K + (dO @ states.transpose(-1, -2)) * chunks.reads_state
-        dK = d_weights.transpose(-1, -2) @ Q + (V @ d_handed_on.transpose(-1, -2)) * chunks.feeds_next
-        dV = weights.transpose(-1, -2) @ dO + (K @ d_handed_on) * chunks.feeds_next
+        d_weights = (dO @ V.transpose(-1, -2)).mul_(chunks.mask)
+        weights = (Q @ K.transpose(-1, -2)).mul_(chunks.mask)
+        dQ = (dO @ states.transpose(-1, -2)).mul_(chunks.reads_state).add_(d_weights @ K)
+        dK = (V @ d_handed_on.transpose(-1, -2)).mul_(chunks.feeds_next).add_(d_weights.transpose(-1, -2) @ Q)
+        dV = (K @ d_handed_on).mul_(chunks.feeds_next).add_(weights.transpose(-1, -2) @ dO)
         d_initial = None
         if ctx.needs_input_grad[3]:
             d_initial = torch.zeros_like(initial)
-            d_initial[chunks.first_doc] += grad
+            d_initial[chunks.first_doc] += d_entering[0]
             starts_doc = ~chunks.carries
             d_initial.index_add_(0, chunks.next_doc[starts_doc], d_handed_on[starts_doc])
         return chunks.join(dQ), chunks.join(dK), chunks.join(dV), d_initial, None
