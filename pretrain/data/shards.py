@@ -57,17 +57,17 @@ def write_manifest(directory: str, manifest: dict) -> None:
 def _existing_prefix(names: list[str], pattern: str) -> list[str]:
     """The expanded names up to the last existing file; an earlier missing or empty one is an error."""
     listing: dict[str, set[str]] = {}
-    exists = []
-    for name in names:
-        directory = os.path.dirname(name) or "."
+    last = -1
+    for i, name in enumerate(names):
+        directory, _, base = name.rpartition("/")
         if directory not in listing:
-            listing[directory] = set(os.listdir(directory)) if os.path.isdir(directory) else set()
-        exists.append(os.path.basename(name) in listing[directory])
-    if not any(exists):
+            listing[directory] = set(os.listdir(directory or ".")) if os.path.isdir(directory or ".") else set()
+        if base in listing[directory]:
+            last = i
+    if last < 0:
         raise ShardError(f"shard pattern {pattern!r} matches no file")
-    last = max(i for i, e in enumerate(exists) if e)
-    for name, e in zip(names[:last + 1], exists):
-        if not e:
+    for name in names[:last + 1]:
+        if not os.path.isfile(name):
             raise ShardError(f"shard {name} is missing (pattern {pattern!r})")
         if os.path.getsize(name) == 0:
             raise ShardError(f"shard {name} is empty")
@@ -83,22 +83,20 @@ def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
         if url.startswith("pipe:"):
             if not allow_pipe:
                 raise ShardError(f"shard URL {url!r} runs a shell command; set allow_pipe to allow pipe: URLs")
-            urls.append(url)
-            continue
-        if "://" in url:
+        elif "://" in url:
             raise ShardError(f"shard URL {url!r}: only local paths and pipe: URLs are supported")
-        path = url.removeprefix("file:")
-        if os.path.isdir(path):
-            urls.extend(os.path.join(path, f["name"]) for f in load_manifest(path)["files"])
-        elif any(c in path for c in "*?["):
-            urls.extend(sorted(glob.glob(path)) or [path])
-        else:
-            urls.append(path)
+        urls.append(url.removeprefix("file:"))
+    if len(urls) == 1 and os.path.isdir(urls[0]):
+        urls = [os.path.join(urls[0], f["name"]) for f in load_manifest(urls[0])["files"]]
+    elif glob.has_magic(pattern):
+        urls = [m for u in urls for m in (sorted(glob.glob(u)) or [u])]
     local = [u for u in urls if not u.startswith("pipe:")]
-    if local:
-        kept = set(_existing_prefix(local, pattern))
-        urls = [u for u in urls if u.startswith("pipe:") or u in kept]
-    return urls
+    if not local:
+        return urls
+    if len(local) == len(urls):
+        return _existing_prefix(urls, pattern)
+    kept = set(_existing_prefix(local, pattern))
+    return [u for u in urls if u.startswith("pipe:") or u in kept]
 
 
 def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:

@@ -110,6 +110,5 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, mode
             max_sentence_length=1 << 16, input_sentence_size=0, num_threads=os.cpu_count() or 1,
             minloglevel=0 if progress else 2)
     except RuntimeError as err:
-        raise ValueError(f"sentencepiece training failed: {err} "
-                         f"(a vocabulary too large for the input? vocab_size={vocab_size})") from None
+        raise ValueError(f"sentencepiece training with vocab_size={vocab_size} failed: {err}") from None
     return Tokenizer(out_prefix + ".model")
