@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Train a model: parse → config → run. Works under ``deepspeed``, ``torchrun`` and plain ``python``.
+
+    python launch/pretrain.py --config configs/tiny_lm.yaml train.max_steps=50
+    torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_lm.yaml
+    deepspeed --num_gpus 8 launch/pretrain.py --config configs/aft_lm_1b.yaml
+    python launch/pretrain.py --config configs/aft_lm_1b.yaml --dry-run    # sizes, FLOPs, memory; no training
+
+Relaunching the same command on a run directory with checkpoints resumes it.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config (see configs/ and pretrain/config.py)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the model on the meta device and print parameters, FLOPs per token and memory "
+                             "per rank as one JSON object on the last line; no training")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="ranks assumed by --dry-run (default: WORLD_SIZE from the launcher, else 1)")
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by `deepspeed`
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    args = parser.parse_args(argv)
+
+    from pretrain.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from pretrain.estimate import estimate
+
+        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        print(json.dumps(estimate(cfg, world_size)))
+        return 0
+
+    from pretrain.train import NonFiniteLossError, train
+
+    try:
+        train(cfg)
+    except (ConfigError, NonFiniteLossError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

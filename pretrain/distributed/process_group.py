@@ -1,0 +1,46 @@
+"""One process group for every launcher: ``deepspeed``, ``torchrun`` and plain ``python`` (a world of one)."""
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group() -> World:
+    """Join the launcher's process group: nccl on CUDA, gloo on CPU.
+
+    Launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a plain ``python`` run has none, so it becomes a world
+    of one on a free local port (DeepSpeed needs a process group even then).
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return World(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
+                 local_rank=local_rank, device=device)

@@ -1,0 +1,74 @@
+"""DeepSpeed checkpoints whose ``latest`` pointer moves only after every rank has written everything.
+
+Layout: ``CKPT_DIR/step00000500/`` holds DeepSpeed's files (model, optimizer, LR scheduler) and one
+``client_state_rankNNNNN.pt`` per rank (step, counters, that rank's data-stream and RNG states);
+``CKPT_DIR/latest`` names the newest complete tag. A save interrupted at any point leaves ``latest`` on the
+previous complete tag, so the run still resumes.
+"""
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+TAG = re.compile(r"step(\d{8})")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _client_state_path(ckpt_dir: Path, tag: str, rank: int) -> Path:
+    return ckpt_dir / tag / f"client_state_rank{rank:05d}.pt"
+
+
+def latest_tag(ckpt_dir: Path) -> str | None:
+    pointer = Path(ckpt_dir) / "latest"
+    return pointer.read_text().strip() if pointer.exists() else None
+
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict, *, keep_last: int) -> str:
+    """Save on all ranks (a collective call); then move ``latest`` and keep only the newest ``keep_last`` tags."""
+    ckpt_dir, tag, rank = Path(ckpt_dir), tag_for(step), dist.get_rank()
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+    path = _client_state_path(ckpt_dir, tag, rank)
+    torch.save(client_state, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    dist.barrier()  # every rank's files of this tag are on disk
+    if rank == 0:
+        pointer = ckpt_dir / "latest"
+        pointer.with_suffix(".tmp").write_text(tag)
+        os.replace(pointer.with_suffix(".tmp"), pointer)
+        _prune(ckpt_dir, keep_last, keep=tag)
+    dist.barrier()
+    return tag
+
+
+def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
+    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG.fullmatch(p.name))
+    for tag in tags[:-keep_last] if keep_last > 0 else []:
+        if tag != keep:
+            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+
+
+def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
+    """Restore model, optimizer and LR scheduler from ``tag`` (default: ``latest``); return this rank's client state,
+    or None when there is nothing to resume."""
+    ckpt_dir, rank, world_size = Path(ckpt_dir), dist.get_rank(), dist.get_world_size()
+    tag = tag or latest_tag(ckpt_dir)
+    if tag is None:
+        return None
+    path = _client_state_path(ckpt_dir, tag, rank)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: checkpoint {ckpt_dir / tag} was not written by a world of "
+                                f"{world_size} ranks; resume with the world size that wrote it")
+    client_state = torch.load(path, weights_only=False)
+    if client_state["world_size"] != world_size:
+        raise ValueError(f"checkpoint {ckpt_dir / tag} was written by {client_state['world_size']} ranks, "
+                         f"this run has {world_size}; resume with the same world size")
+    loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if loaded is None:
+        raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+    return client_state

@@ -1,0 +1,121 @@
+"""Scoring documents with a causal LM: the one definition of validation loss, shared by the trainer and eval_ppl.
+
+Every token of every document (its final end-of-sequence included) is scored exactly once. The first token is
+predicted from a lone ``eos`` (the end of "the previous document"), as in a packed training stream. A document
+longer than ``seq_len`` is cut into windows that start every ``stride`` tokens; each window scores only the
+targets that the previous window did not, so with ``stride < seq_len`` later windows keep some context.
+Windows of several documents share a row as separate segments (positions restart at 0), exactly as packed
+training rows do.
+"""
+from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def document_windows(tokens: np.ndarray, *, seq_len: int, stride: int, eos_id: int
+                     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``(input_ids, position_ids, targets)`` windows of at most ``seq_len`` inputs; unscored targets are IGNORE."""
+    if not 0 < stride <= seq_len:
+        raise ValueError(f"stride must be in 1..seq_len={seq_len}, got {stride}")
+    stream = np.concatenate([[eos_id], np.asarray(tokens, dtype=np.int64)])
+    n = len(stream) - 1  # number of targets
+    scored_until, start = 0, 0
+    while scored_until < n:
+        end = min(start + seq_len, n)
+        inputs, targets = stream[start:end], stream[start + 1:end + 1].copy()
+        targets[: max(0, scored_until - start)] = IGNORE
+        if start == 0:  # the lone eos is its own segment; the document starts at position 0 after it
+            positions = np.concatenate([[0], np.arange(end - 1)])
+        else:
+            positions = np.arange(end - start)
+        yield inputs, positions, targets
+        scored_until, start = end, start + stride
+
+
+def packed_rows(documents: Iterable[np.ndarray], *, seq_len: int, stride: int, eos_id: int
+                ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Windows packed greedily into rows of exactly ``seq_len`` tokens; the padding is one unscored segment."""
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    used = 0
+
+    def flush():
+        pad = seq_len - used
+        pieces = parts + [(np.zeros(pad, np.int64), np.arange(pad), np.full(pad, IGNORE))]
+        return tuple(np.concatenate(column) for column in zip(*pieces))
+
+    for tokens in documents:
+        for window in document_windows(tokens, seq_len=seq_len, stride=stride, eos_id=eos_id):
+            if used + len(window[0]) > seq_len:
+                yield flush()
+                parts, used = [], 0
+            parts.append(window)
+            used += len(window[0])
+    if parts:
+        yield flush()
+
+
+def batches(rows: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]], batch_size: int
+            ) -> Iterator[dict[str, torch.Tensor]]:
+    chunk = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == batch_size:
+            yield _stack(chunk)
+            chunk = []
+    if chunk:
+        yield _stack(chunk)
+
+
+def _stack(rows) -> dict[str, torch.Tensor]:
+    inputs, positions, targets = (torch.from_numpy(np.stack(column)).long() for column in zip(*rows))
+    return {"input_ids": inputs, "position_ids": positions, "labels": targets}
+
+
+def empty_batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """A batch that scores nothing: ranks with fewer batches run it so collective (ZeRO-3) forwards stay matched."""
+    return {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long),
+            "position_ids": torch.arange(seq_len).expand(batch_size, seq_len).contiguous(),
+            "labels": torch.full((batch_size, seq_len), IGNORE, dtype=torch.long)}
+
+
+def batch_nll(model: Callable, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Summed negative log-likelihood (fp32) of the batch's scored targets, and how many there are."""
+    labels = batch["labels"].to(device)
+    logits = model(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device))
+    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return nll, int((labels != IGNORE).sum())
+
+
+@torch.no_grad()
+def score_documents(model: Callable, documents: Iterable[np.ndarray], *, seq_len: int, stride: int, batch_size: int,
+                    eos_id: int, device: torch.device, max_batches: int | None = None, progress=None
+                    ) -> tuple[float, int]:
+    """Total NLL and scored-token count over ``documents`` (at most ``max_batches`` batches of this rank's).
+
+    Under a process group every rank passes its own share of documents and gets the totals over all ranks; ranks
+    with fewer batches run empty ones, since a ZeRO-3 forward is a collective call.
+    """
+    local = islice(batches(packed_rows(documents, seq_len=seq_len, stride=stride, eos_id=eos_id), batch_size),
+                   max_batches)
+    distributed = dist.is_available() and dist.is_initialized()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # on the device: nccl reduces only there
+    while True:
+        batch = next(local, None)
+        more = torch.tensor(batch is not None, dtype=torch.int32, device=device)
+        if distributed:
+            dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more:
+            break
+        nll, scored = batch_nll(model, batch if batch is not None else empty_batch(batch_size, seq_len), device)
+        totals += torch.stack([nll.double(), torch.tensor(scored, dtype=torch.float64, device=device)])
+        if progress is not None:
+            progress.update(scored)
+    if distributed:
+        dist.all_reduce(totals)
+    return totals[0].item(), int(totals[1].item())

@@ -1,0 +1,62 @@
+"""Training metrics: tensorboard scalars, one JSON line per logged step (``metrics.jsonl``), a progress line.
+
+Only rank 0 writes; the values it writes are already reduced over ranks by the loop.
+"""
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peak FLOP/s by device-name fragment (vendor specs).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The accelerator's peak FLOP/s when we know it; None on CPU and unknown GPUs (MFU is then not reported)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated by this process; on CPU its peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Write ``values`` (keys like ``train/loss``) at ``step``; on resume a step logged twice keeps both lines,
+        and the later one is the resumed run's."""
+        if not self.enabled:
+            return
+        for key, value in values.items():
+            self.tensorboard.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.flush()
+        self.tensorboard.flush()
+
+    def text(self, tag: str, text: str) -> None:
+        if self.enabled:
+            self.tensorboard.add_text(tag, text)
+
+    def print(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tensorboard.close()
+            self.jsonl.close()

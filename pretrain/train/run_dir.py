@@ -1,0 +1,44 @@
+"""The run directory: the resolved config is saved once, and a relaunch must describe the same run."""
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from pretrain.config import ConfigError, save_config
+
+# Keys a relaunch may change without changing the model, the data stream or the optimizer's trajectory.
+MAY_CHANGE = ("run.dir", "train.max_steps", "data.num_workers", "log.", "checkpoint.")
+
+
+def _flat(cfg: DictConfig) -> dict[str, object]:
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+def changed_keys(saved: DictConfig, new: DictConfig) -> list[str]:
+    """Dotted keys whose value differs between two configs, except those in MAY_CHANGE."""
+    old, now = _flat(saved), _flat(new)
+    return sorted(key for key in set(old) | set(now)
+                  if old.get(key) != now.get(key) and not key.startswith(MAY_CHANGE) and key not in MAY_CHANGE)
+
+
+def prepare_run_dir(cfg: DictConfig, is_main: bool) -> Path:
+    """Create the run directory and save ``config.yaml``; on a relaunch, refuse a config that changed the run."""
+    run_dir = Path(cfg.run.dir)
+    saved_path = run_dir / "config.yaml"
+    if saved_path.exists():
+        changed = changed_keys(OmegaConf.load(saved_path), cfg)
+        if changed:
+            raise ConfigError(changed[0], f"differs from the run's saved {saved_path} (changed: {', '.join(changed)});"
+                                          " use a new run.dir, or restore the saved values")
+    if is_main:
+        save_config(cfg, saved_path)
+    return run_dir
