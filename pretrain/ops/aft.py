@@ -32,11 +32,13 @@ def aft_full_naive(q, k, v, w, *, causal=True, cu_seqlens=None):
     return (torch.sigmoid(q) * torch.einsum("btjc,bjc->btc", weights, v_acc)).to(v.dtype)
 
 
-def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None):
+def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None, chunk_size=64):
     """q, k, v ``[B, T, C]``, w ``[T_max, T_max]`` with T ≤ T_max (its top-left T×T block is used) → ``[B, T, C]``.
 
-    Stable O(T·C) evaluation: ``num = e^w @ (e^K ⊙ V)``, ``den = e^w @ e^K`` after subtracting the per-channel max
-    of K and the per-row max of w (both cancel in the ratio).
+    O(T·C) memory beside the bias: ``num = e^w @ (e^K ⊙ V)``, ``den = e^w @ e^K`` after subtracting the per-row
+    max of w and the per-channel max of K (both cancel in the ratio). Causal: rows in blocks of ``chunk_size``,
+    each against the keys up to its end, with the max of K over those keys only — a single max over the whole
+    sequence would underflow the early rows to 0/0 once a later key is ~80 larger — and the upper blocks skipped.
     """
     _check_same_shape("aft_full", q, k, v)
     longest = k.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
@@ -46,16 +48,25 @@ def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None):
             f"length {longest} (AFT-full has no form beyond its T_max)"
         )
     if cu_seqlens is not None:
-        return per_document(aft_full, cu_seqlens, q, k, v, w=w, causal=causal)
+        return per_document(aft_full, cu_seqlens, q, k, v, w=w, causal=causal, chunk_size=chunk_size)
     total = k.shape[1]
     q, k, v_acc, w = upcast(q, k, v, w[:total, :total])
-    if causal:
-        w = w.masked_fill(~torch.ones_like(w, dtype=torch.bool).tril(), float("-inf"))
+    if not causal:
+        return _aft_rows(q, k, v_acc, w).to(v.dtype)
+    visible = torch.ones_like(w, dtype=torch.bool).tril()
+    blocks = []
+    for start in range(0, total, chunk_size):
+        end = min(start + chunk_size, total)
+        rows = w[start:end, :end].masked_fill(~visible[start:end, :end], float("-inf"))
+        blocks.append(_aft_rows(q[:, start:end], k[:, :end], v_acc[:, :end], rows))
+    return torch.cat(blocks, dim=1).to(v.dtype)
+
+
+def _aft_rows(q, k, v, w):
+    """AFT for the query rows of ``w [rows, keys]`` against all given keys, by two matmuls."""
     exp_w = (w - w.max(dim=1, keepdim=True).values.detach()).exp()
     exp_k = (k - k.max(dim=1, keepdim=True).values.detach()).exp()
-    num = torch.matmul(exp_w, exp_k * v_acc)
-    den = torch.matmul(exp_w, exp_k)
-    return (torch.sigmoid(q) * num / den).to(v.dtype)
+    return torch.sigmoid(q) * torch.matmul(exp_w, exp_k * v) / torch.matmul(exp_w, exp_k)
 
 
 def local_bias_matrix(w_rel, total, *, window, causal):

@@ -28,10 +28,10 @@ def assert_same_function(fast, naive, inputs):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("batch,length,channels", [(2, 29, 6), (1, 1, 3), (3, 16, 1)])
-def test_aft_full(causal, batch, length, channels):
+@pytest.mark.parametrize("batch,length,channels,chunk", [(2, 29, 6, 8), (1, 1, 3, 64), (3, 16, 1, 16), (1, 35, 2, 1)])
+def test_aft_full(causal, batch, length, channels, chunk):
     w = randn(40, 40, scale=2.0, seed=4)  # T_max = 40 > T: the top-left block is used
-    assert_same_function(lambda q, k, v, w: aft_full(q, k, v, w, causal=causal),
+    assert_same_function(lambda q, k, v, w: aft_full(q, k, v, w, causal=causal, chunk_size=chunk),
                          lambda q, k, v, w: aft_full_naive(q, k, v, w, causal=causal),
                          [*qkv(batch, length, channels), w])
 
@@ -81,15 +81,37 @@ def test_packed_documents():
                              lambda q, k, v: naive(q, k, v, cu_seqlens=cu_seqlens, **extra), [q, k, v])
 
 
-def test_fp32_large_keys_stay_finite():
-    q, k, v = (t.detach() for t in qkv(1, 50, 4, key_scale=30.0))
-    w_rel = torch.randn(5, dtype=torch.float64)
-    for fast, naive in [(lambda *a: aft_local(*a, w_rel.float(), window=5, chunk_size=8),
+def test_fp32_keys_far_apart_stay_finite():
+    """One key 300 above the rest (at a chunk start): a single max over the whole sequence would leave every
+    earlier causal row 0/0; the running max per chunk does not."""
+    q, k, v = (t.detach() for t in qkv(1, 50, 4))
+    k[:, 40] += 300.0
+    k[:, 3] -= 300.0
+    w_rel, w = torch.randn(5, dtype=torch.float64), torch.randn(50, 50, dtype=torch.float64)
+    for fast, naive in [(lambda *a: aft_full(*a, w.float(), chunk_size=8), lambda *a: aft_full_naive(*a, w)),
+                        (lambda *a: aft_local(*a, w_rel.float(), window=5, chunk_size=8),
                          lambda *a: aft_local_naive(*a, w_rel, window=5)),
                         (lambda *a: aft_simple(*a, chunk_size=8), aft_simple_naive)]:
         out = fast(q.float(), k.float(), v.float())
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out.double(), naive(q, k, v), rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    q, k, v = (t.detach() for t in qkv(2, 40, 8))
+    w, w_rel, w_conv = (torch.randn(*shape, dtype=torch.float64).bfloat16().double()
+                        for shape in [(40, 40), (4,), (2, 3, 3)])
+    cases = [(lambda *a: aft_full(*a, w.bfloat16()), lambda *a: aft_full_naive(*a, w)),
+             (lambda *a: aft_local(*a, w_rel.bfloat16(), window=4, chunk_size=16),
+              lambda *a: aft_local_naive(*a, w_rel, window=4)),
+             (lambda *a: aft_simple(*a, chunk_size=16), aft_simple_naive),
+             (lambda *a: aft_conv2d(*a, w_conv.bfloat16(), hw=(5, 8), heads=2),
+              lambda *a: aft_conv2d_naive(*a, w_conv, hw=(5, 8), heads=2))]
+    rounded = [t.bfloat16().double() for t in (q, k, v)]
+    for fast, naive in cases:
+        out = fast(q.bfloat16(), k.bfloat16(), v.bfloat16())
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), naive(*rounded), rtol=1e-2, atol=1e-2)  # bf16 output rounding
 
 
 def test_bad_input_names_the_problem():

@@ -67,8 +67,8 @@ def test_bf16_inputs_accumulate_in_fp32():
     q, k, v = (t.detach() for t in random_qkv(2, 33, 2, 8, 8))
     out = efficient_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=16)
     assert out.dtype == torch.bfloat16
-    # bf16 rounds inputs to ~3 significant digits; outputs are averages of v, so errors stay at that scale
-    torch.testing.assert_close(out.double(), efficient_attention_naive(q, k, v), rtol=0, atol=3e-2)
+    rounded = [t.bfloat16().double() for t in (q, k, v)]
+    torch.testing.assert_close(out.double(), efficient_attention_naive(*rounded), rtol=1e-2, atol=1e-2)
 
 
 def test_bad_input_names_the_shapes():

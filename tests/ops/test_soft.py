@@ -67,6 +67,16 @@ def test_soft_attention_equals_exact_inverse_definition(symmetric, n, m, heads, 
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-7)
 
 
+def test_bf16_inputs_are_computed_in_fp32():
+    q = randn(1, 20, 2, 8, scale=8 ** -0.25, seed=3).detach()
+    landmarks = randn(1, 5, 2, 8, scale=0.6, seed=4).detach()
+    v = randn(1, 20, 2, 4, seed=5).detach()
+    out = soft_attention(q.bfloat16(), landmarks.bfloat16(), v.bfloat16())
+    assert out.dtype == torch.bfloat16
+    expected = soft_attention_naive(*(t.bfloat16().double() for t in (q, landmarks, v)))
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)  # bf16 rounding of the output
+
+
 def test_bad_shapes_are_named():
     q, v = randn(1, 9, 2, 4), randn(1, 9, 2, 3)
     with pytest.raises(ValueError, match=r"landmarks \(1, 3, 2, 5\)"):
