@@ -1,8 +1,23 @@
-"""The data path: sentencepiece tokenizers, webdataset shards, packed resumable batches (see docs/CONTRACTS.md)."""
-from pretrain.data.loader import TokenLoader
-from pretrain.data.shards import ShardError
-from pretrain.data.text_shards import Document, make_text_shards, read_documents
-from pretrain.data.tokenizer import Tokenizer, train_tokenizer
+"""The data path: sentencepiece tokenizers, webdataset shards, packed resumable batches (see docs/CONTRACTS.md).
 
-__all__ = ["Document", "ShardError", "TokenLoader", "Tokenizer", "make_text_shards", "read_documents",
-           "train_tokenizer"]
+Names are imported on first use, so the tools that only tokenize or shard do not pay for importing torch.
+"""
+import importlib
+
+_HOMES = {
+    "TokenLoader": "pretrain.data.loader",
+    "ShardError": "pretrain.data.shards",
+    "Document": "pretrain.data.text_shards",
+    "make_text_shards": "pretrain.data.text_shards",
+    "read_documents": "pretrain.data.text_shards",
+    "Tokenizer": "pretrain.data.tokenizer",
+    "train_tokenizer": "pretrain.data.tokenizer",
+    "make_image_shards": "pretrain.data.images",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'pretrain.data' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

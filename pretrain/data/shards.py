@@ -21,6 +21,7 @@ import subprocess
 import tarfile
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 from webdataset.shardlists import expand_urls
 
@@ -252,8 +253,16 @@ class ShardWriter:
         self._tar = None
 
 
-def prepare_output_dir(directory: str) -> None:
-    """Create ``directory``; refuse one that already holds files, so nothing written before is lost."""
+@contextmanager
+def fresh_output_dir(directory: str):
+    """Create ``directory`` to write a shard set into; refuse one that already holds files, so nothing written
+    before is lost, and on failure remove what was written, so no half set is left behind."""
     if os.path.isdir(directory) and os.listdir(directory):
         raise FileExistsError(f"output directory {directory!r} is not empty; choose a new --out")
     os.makedirs(directory, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for name in os.listdir(directory):
+            os.remove(os.path.join(directory, name))
+        raise

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from pretrain.data.shards import ShardError, ShardWriter, expand_shards, iter_samples, prepare_output_dir, \
+from pretrain.data.shards import ShardError, ShardWriter, expand_shards, fresh_output_dir, iter_samples, \
     write_manifest
 from pretrain.data.text_files import expand_inputs, read_text_documents
 from pretrain.data.tokenizer import Tokenizer
@@ -102,7 +102,6 @@ def make_text_shards(inputs: list[str], tokenizer_path: str, out_dir: str, *, do
     tokenizer = Tokenizer(tokenizer_path)
     if docs_per_shard < 1:
         raise ValueError(f"docs_per_shard={docs_per_shard}: must be at least 1")
-    prepare_output_dir(out_dir)
     extension = token_extension(tokenizer.vocab_size)
     writer = ShardWriter(out_dir, samples_per_shard=docs_per_shard)
     chunks = _chunks(read_text_documents(paths, txt_docs=txt_docs, progress=progress), 256)
@@ -111,23 +110,19 @@ def make_text_shards(inputs: list[str], tokenizer_path: str, out_dir: str, *, do
     encoded = pool.imap(_encode_chunk, chunks) if pool else map(_encode_chunk, chunks)
     count = 0
     try:
-        with tqdm(unit="doc", desc="sharding", disable=not progress) as bar:
+        with fresh_output_dir(out_dir), tqdm(unit="doc", desc="sharding", disable=not progress) as bar:
             for chunk in encoded:
                 for data, num_tokens, num_bytes in chunk:
                     writer.add(f"{count:010d}", {extension: data, "json": b'{"num_bytes":%d}' % num_bytes},
                                tokens=num_tokens, bytes=num_bytes)
                     count += 1
                 bar.update(len(chunk))
-        files = writer.close()
-    except BaseException:
-        for name in os.listdir(out_dir):  # the directory was empty: leave no half-written set behind
-            os.remove(os.path.join(out_dir, name))
-        raise
+            files = writer.close()
+            if not files:
+                raise ValueError(f"inputs {inputs} hold no documents")
     finally:
         if pool:
             pool.terminate()
-    if not files:
-        raise ValueError(f"inputs {inputs} hold no documents")
     manifest = {
         "format": "pretrain-text-shards-v1",
         "shards": len(files), "documents": count,

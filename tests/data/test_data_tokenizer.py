@@ -71,6 +71,9 @@ WIKITEXT = """
  = = Gameplay = = 
  
  The game 's battle system = not a heading = 
+ Key : Pld 
+ = Played , W = 
+ Wins , L 
  
  = Tower Building of the Little Rock Arsenal = 
  
@@ -86,10 +89,10 @@ def test_txt_document_rules(tmp_path):
     articles = list(read_text_documents([str(path)], txt_docs="wikitext"))
     assert len(articles) == 2
     assert articles[0].startswith(" = Valkyria Chronicles III = \n") and "= = Gameplay = =" in articles[0]
-    assert articles[0].endswith("battle system = not a heading = ")
+    assert articles[0].endswith(" = Played , W = \n Wins , L ")  # a table line is no heading
     assert articles[1].startswith(" = Tower Building") and articles[1].endswith("museum . ")
     paragraphs = list(read_text_documents([str(path)]))
-    assert len(paragraphs) == 6 and paragraphs[-1] == " The Tower Building is a structure . \n" \
+    assert len(paragraphs) == 6 and "= Played" in paragraphs[3] and paragraphs[-1] == " The Tower Building is a structure . \n" \
         " = = = Later use = = = \n It served as a museum . "
     whole = list(read_text_documents([str(path)], txt_docs="file"))
     assert whole == [WIKITEXT[len(" \n"):-1]]
@@ -110,3 +113,17 @@ def test_jsonl_and_gzip_inputs(tmp_path):
     (tmp_path / "e.jsonl").write_text('{"text": "ok"}\n{"txt": "typo"}\n')
     with pytest.raises(ValueError, match=r"e\.jsonl: line 2: .*'text'"):
         list(read_text_documents([str(tmp_path / "e.jsonl")]))
+
+
+def test_wikitext_2_has_the_published_article_counts(shared_data):
+    counts = [sum(1 for _ in read_text_documents([str(shared_data / "text" / "wikitext-2" / f"{split}.txt")],
+                                                 txt_docs="wikitext")) for split in ("train", "valid", "test")]
+    assert counts == [600, 60, 60]
+
+
+def test_real_text_round_trips(shared_data, tmp_path):
+    path = shared_data / "text" / "tinyshakespeare.txt"
+    tok = train_tokenizer([str(path)], 2000, str(tmp_path / "shakespeare"), sample_bytes=300_000)
+    text = path.read_text(encoding="utf-8")[:200_000]
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and len(ids) < len(text) / 2.5
