@@ -8,9 +8,9 @@ final name only once it is complete.
 Reading checks every header checksum and the end-of-archive block, so a corrupt or truncated shard is an error
 naming the file (``ShardError``) — never a silently shortened shard, as ``tarfile``'s stream mode can give.
 
-Shard patterns use webdataset brace expansion (``DIR/shard-{000000..000099}.tar``) and globs; a directory stands for
-the shards its ``manifest.json`` lists. A brace range may run past the last shard (files missing after the last
-existing one are ignored), but a gap is an error. ``pipe:CMD`` URLs run a shell command and are refused unless
+Shard patterns use webdataset's brace expansion (``DIR/shard-{000000..000099}.tar``; ``::`` joins patterns) and
+globs; a directory stands for the shards its ``manifest.json`` lists. A brace range may run past the last shard
+(files missing after the last existing one are ignored), but a gap is an error. ``pipe:CMD`` URLs run a shell command and are refused unless
 ``allow_pipe`` is set.
 """
 import glob
@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from webdataset.shardlists import expand_urls
+from braceexpand import braceexpand
 
 MANIFEST = "manifest.json"
 _BLOCK = 512
@@ -80,7 +80,7 @@ def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
     if not isinstance(pattern, str) or not pattern.strip():
         raise ShardError(f"shard pattern {pattern!r} is empty")
     urls = []
-    for url in expand_urls(pattern):
+    for url in (u for part in pattern.split("::") for u in braceexpand(part)):
         if url.startswith("pipe:"):
             if not allow_pipe:
                 raise ShardError(f"shard URL {url!r} runs a shell command; set allow_pipe to allow pipe: URLs")
