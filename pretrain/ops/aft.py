@@ -12,6 +12,7 @@ Each has a naive O(T²·C) reference built on ``aft_full_naive``, the one oracle
 """
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .documents import document_mask, document_positions, per_document
 from .precision import upcast
@@ -58,7 +59,8 @@ def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None, chunk_size=64):
     for start in range(0, total, chunk_size):
         end = min(start + chunk_size, total)
         rows = w[start:end, :end].masked_fill(~visible[start:end, :end], float("-inf"))
-        blocks.append(_aft_rows(q[:, start:end], k[:, :end], v_acc[:, :end], rows))
+        # checkpointed: the block's e^K over its prefix is recomputed in backward, keeping memory O(T·C)
+        blocks.append(checkpoint(_aft_rows, q[:, start:end], k[:, :end], v_acc[:, :end], rows, use_reentrant=False))
     return torch.cat(blocks, dim=1).to(v.dtype)
 
 

@@ -10,6 +10,7 @@ every ``exp`` has a non-positive argument and no prefix collapses to 0/0, howeve
 The state carried between chunks is ``(Ŝ, L)``: ``Ŝ = Σ_j e^{k_j − L} v_jᵀ`` (d × dv) and ``L = LZ`` at the last token.
 """
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .documents import document_mask, per_document
 from .precision import upcast
@@ -78,7 +79,7 @@ def _noncausal(q, k, v):
 
 
 def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
-    """Intra-chunk: explicit per-channel weights ``e^{k_j − LZ_t}`` (C × C × D); inter-chunk: the state ``(Ŝ, L)``."""
+    """Intra-chunk: explicit per-channel weights ``e^{k_j − LZ_t}``; inter-chunk: the state ``(Ŝ, L)``."""
     batch, total, heads, dim = k.shape
     q32, k32, v32 = upcast(q, k, v)
     p = torch.softmax(q32, dim=-1)
@@ -92,11 +93,7 @@ def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
     for start in range(0, total, chunk_size):
         piece = slice(start, start + chunk_size)
         pc, kc, vc, lzc = p[:, piece], k32[:, piece], v32[:, piece], lz[:, piece]
-        size = kc.shape[1]
-        below = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()[None, :, :, None, None]
-        exponent = (kc[:, None] - lzc[:, :, None]).masked_fill(~below, float("-inf"))  # [B, t, j, H, D], ≤ 0
-        mix = torch.einsum("bthc,btjhc->bhtj", pc, exponent.exp())
-        intra = torch.einsum("bhtj,bjhv->bthv", mix, vc)
+        intra = checkpoint(_within_chunk, pc, kc, vc, lzc, use_reentrant=False)
         inter = torch.einsum("bthc,bhcv->bthv", pc * (log_norm[:, None] - lzc).exp(), state)
         outputs.append(intra + inter)
         new_log_norm = lzc[:, -1]
@@ -106,3 +103,13 @@ def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
         log_norm = new_log_norm
     o = torch.cat(outputs, dim=1).to(v.dtype)
     return (o, (state, log_norm)) if output_final_state else o
+
+
+def _within_chunk(p, k, v, lz):
+    """``Σ_c p_tc Σ_{j≤t} e^{k_jc − LZ_tc} v_j`` inside one chunk. Its ``[B, C, C, H, D]`` weights are recomputed
+    in backward (checkpointed) rather than kept for every chunk, so autograd memory stays O(T·D)."""
+    size = k.shape[1]
+    below = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()[None, :, :, None, None]
+    exponent = (k[:, None] - lz[:, :, None]).masked_fill(~below, float("-inf"))  # [B, t, j, H, D], all ≤ 0
+    mix = torch.einsum("bthc,btjhc->bhtj", p, exponent.exp())
+    return torch.einsum("bhtj,bjhv->bthv", mix, v)
