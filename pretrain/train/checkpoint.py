@@ -72,3 +72,20 @@ def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
     if loaded is None:
         raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     return client_state
+
+
+def load_model_weights(ckpt_dir: Path, tag: str, *, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The full model state dict of a checkpoint, on CPU, in one process, whatever ZeRO stage wrote it.
+
+    Without ZeRO the model states file holds the whole module; under ZeRO the fp32 master weights are partitioned
+    over the ranks' optimizer files, and DeepSpeed's ``zero_to_fp32`` reassembles them.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / tag).is_dir():
+        raise FileNotFoundError(f"checkpoint {ckpt_dir / tag} does not exist")
+    if zero_stage == 0:
+        states = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {name: tensor.float() for name, tensor in states["module"].items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)

@@ -36,7 +36,7 @@ class NonFiniteLossError(RuntimeError):
 class Counters:
     step: int = 0               # training iterations done (skipped ones included)
     tokens_seen: int = 0        # over all ranks
-    nonfinite_skipped: int = 0  # steps skipped for a non-finite loss, over the run
+    nonfinite_skipped: int = 0  # steps with a non-finite loss (skipped) or gradient norm, over the run
     nonfinite_in_a_row: int = 0
 
 
@@ -147,21 +147,22 @@ def train(cfg: DictConfig) -> None:
         counters.step += 1
         counters.tokens_seen += tokens_per_step
         interval_steps += 1
-        if loss is None:
+        if loss is None or not math.isfinite(grad_norm):
             counters.nonfinite_skipped += 1
             counters.nonfinite_in_a_row += 1
-            writer.print(f"step {counters.step}: non-finite loss, step skipped "
-                         f"({counters.nonfinite_in_a_row} in a row, {counters.nonfinite_skipped} in all)")
+            what = "loss, step skipped" if loss is None else f"gradient norm ({grad_norm})"
+            writer.print(f"step {counters.step}: non-finite {what} ({counters.nonfinite_in_a_row} in a row, "
+                         f"{counters.nonfinite_skipped} in all)")
             if counters.nonfinite_in_a_row >= t.max_nonfinite_steps:
                 latest = checkpoint.latest_tag(ckpt_dir)
                 raise NonFiniteLossError(
-                    f"{counters.nonfinite_in_a_row} non-finite losses in a row (train.max_nonfinite_steps="
+                    f"{counters.nonfinite_in_a_row} non-finite steps in a row (train.max_nonfinite_steps="
                     f"{t.max_nonfinite_steps}) at step {counters.step}; stopping. The last good checkpoint is "
                     f"{ckpt_dir / latest if latest else 'none (no checkpoint was saved yet)'}")
         else:
             counters.nonfinite_in_a_row = 0
 
-        if loss is not None and counters.step % cfg.log.every == 0:
+        if counters.nonfinite_in_a_row == 0 and counters.step % cfg.log.every == 0:
             elapsed = time.perf_counter() - interval_start
             tokens_per_s = interval_steps * tokens_per_step / elapsed
             flops_per_s = 3 * flops_per_token * tokens_per_s / world.world_size  # training ≈ 3× forward

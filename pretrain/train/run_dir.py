@@ -13,7 +13,7 @@ def _flat(cfg: DictConfig) -> dict[str, object]:
     flat = {}
 
     def walk(node, prefix):
-        if isinstance(node, dict) and node:
+        if isinstance(node, dict):  # an empty mapping has no leaves: its keys appear in the other config
             for key, value in node.items():
                 walk(value, f"{prefix}{key}.")
         else:

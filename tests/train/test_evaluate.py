@@ -1,0 +1,61 @@
+"""The shared scoring of documents: every token once, enough context, and packing that changes nothing."""
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pretrain.config import ModelConfig
+from pretrain.models import build_lm
+from pretrain.train.evaluate import IGNORE, batch_nll, document_windows, score_documents
+
+EOS = 3
+
+
+@pytest.mark.parametrize("seq_len,stride", [(8, 8), (8, 3), (7, 1), (16, 5), (5, 5)])
+def test_windows_score_every_token_once_with_enough_context(seq_len, stride):
+    rng = np.random.default_rng(seq_len * 10 + stride)
+    for n in [1, 2, seq_len - 1, seq_len, seq_len + 1, 3 * seq_len + 2, int(rng.integers(1, 80))]:
+        tokens = rng.integers(4, 100, size=n)
+        stream = np.concatenate([[EOS], tokens])
+        scored, start = [], 0
+        for inputs, positions, targets in document_windows(tokens, seq_len=seq_len, stride=stride, eos_id=EOS):
+            assert len(inputs) == len(positions) == len(targets) <= seq_len
+            assert (inputs == stream[start:start + len(inputs)]).all()
+            for j in np.flatnonzero(targets != IGNORE):
+                i = start + j + 1  # stream index of the target
+                assert targets[j] == stream[i]
+                assert j + 1 >= min(i, seq_len - stride + 1)  # context length
+                scored.append(i)
+            if start == 0:  # the lone eos, then the document from position 0
+                assert positions.tolist() == [0] + list(range(len(inputs) - 1))
+            else:
+                assert positions.tolist() == list(range(len(inputs)))
+            start += stride
+        assert scored == list(range(1, n + 1))
+
+
+def test_stride_must_fit_the_window():
+    with pytest.raises(ValueError, match="stride"):
+        next(document_windows(np.arange(4, 10), seq_len=4, stride=5, eos_id=EOS))
+
+
+@pytest.mark.parametrize("stride", [32, 11])
+def test_packed_batches_score_like_each_window_alone(stride):
+    """Windows share rows as separate segments; the total must equal scoring each window in a row of its own."""
+    torch.manual_seed(0)
+    model = build_lm(OmegaConf.structured(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2))).eval()
+    rng = np.random.default_rng(stride)
+    docs = [rng.integers(4, 50, size=int(n)) for n in rng.integers(1, 90, size=12)]
+    nll, tokens = score_documents(model, docs, seq_len=32, stride=stride, batch_size=3, eos_id=EOS,
+                                  device=torch.device("cpu"))
+    expected_nll, expected_tokens = 0.0, 0
+    with torch.no_grad():
+        for doc in docs:
+            for inputs, positions, targets in document_windows(doc, seq_len=32, stride=stride, eos_id=EOS):
+                row = {name: torch.from_numpy(a).long()[None] for name, a in
+                       (("input_ids", inputs), ("position_ids", positions), ("labels", targets))}
+                window_nll, window_tokens = batch_nll(model, row, torch.device("cpu"))
+                expected_nll += window_nll.item()
+                expected_tokens += window_tokens
+    assert tokens == expected_tokens == sum(len(d) for d in docs)
+    assert nll == pytest.approx(expected_nll, rel=1e-5)

@@ -1,0 +1,58 @@
+"""Our config → DeepSpeed JSON, and the run directory's refusal of a relaunch that changes the run."""
+import pytest
+from omegaconf import OmegaConf
+
+from pretrain.config import Config, ConfigError
+from pretrain.distributed import deepspeed_config
+from pretrain.train.run_dir import changed_keys, prepare_run_dir
+
+
+def config(**dotted):
+    cfg = OmegaConf.structured(Config)
+    for key, value in dotted.items():
+        OmegaConf.update(cfg, key.replace("__", "."), value)
+    return cfg
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_deepspeed_json_follows_our_keys(stage, precision):
+    cfg = config(deepspeed__zero_stage=stage, deepspeed__precision=precision, train__micro_batch_size=3,
+                 train__grad_accum_steps=5, train__grad_clip=0.5)
+    ds = deepspeed_config(cfg, world_size=4)
+    assert ds["zero_optimization"]["stage"] == stage
+    assert ds["bf16"]["enabled"] == (precision == "bf16") and ds["fp16"]["enabled"] == (precision == "fp16")
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (3, 5, 60)
+    assert ds["gradient_clipping"] == 0.5
+    assert "offload_optimizer" not in ds["zero_optimization"] and "offload_param" not in ds["zero_optimization"]
+
+
+def test_offload_and_extra_keys_merge_deeply():
+    cfg = config(deepspeed__zero_stage=3, deepspeed__offload_optimizer=True, deepspeed__offload_params=True,
+                 deepspeed__extra={"zero_optimization": {"stage3_prefetch_bucket_size": 7}, "wall_clock_breakdown": True})
+    zero = deepspeed_config(cfg, world_size=1)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert zero["stage"] == 3 and zero["stage3_prefetch_bucket_size"] == 7
+    assert deepspeed_config(cfg, world_size=1)["wall_clock_breakdown"] is True
+
+
+def test_relaunch_may_change_max_steps_logging_and_checkpointing_only():
+    saved = config(train__max_steps=100)
+    assert changed_keys(saved, config(train__max_steps=500, log__every=3, checkpoint__keep_last=9)) == []
+    assert changed_keys(saved, config(train__max_steps=100, model__dim=512, optim__lr=1.0)) == ["model.dim", "optim.lr"]
+    assert changed_keys(saved, config(train__max_steps=100, model__mixer_options={"linear": {"eps": 1.0}})) == [
+        "model.mixer_options.linear.eps"]
+
+
+def test_prepare_run_dir_refuses_a_changed_run_and_keeps_its_config(tmp_path):
+    cfg = config(run__dir=str(tmp_path / "run"), data__tokenizer="t.model", data__train_shards="s.tar")
+    prepare_run_dir(cfg, is_main=True)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    prepare_run_dir(config(**{"run__dir": cfg.run.dir, "data__tokenizer": "t.model", "data__train_shards": "s.tar",
+                              "train__max_steps": 7}), is_main=True)
+    changed = config(run__dir=cfg.run.dir, data__tokenizer="t.model", data__train_shards="other.tar")
+    with pytest.raises(ConfigError, match="data.train_shards") as error:
+        prepare_run_dir(changed, is_main=True)
+    assert error.value.key == "data.train_shards"
+    assert "max_steps: 7" in (tmp_path / "run" / "config.yaml").read_text()
+    assert saved.replace("max_steps: 1000", "max_steps: 7") == (tmp_path / "run" / "config.yaml").read_text()

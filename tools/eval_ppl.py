@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Perplexity of a trained run on text files or token shards, from a checkpoint of any ZeRO stage, on one process.
+
+    python tools/eval_ppl.py --run runs/tiny_lm --data wiki.test.raw --json
+    python tools/eval_ppl.py --run runs/tiny_lm --tag step00000500 --data 'shards/val/shard-{000000..000009}.tar'
+
+Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (``.tar``
+names or patterns) are read document by document. Every token, each document's end-of-sequence included, is scored
+once, with the same windows as the trainer's validation (``pretrain/train/evaluate.py``); ``--stride`` below
+``--seq-len`` gives long documents overlapping context. Reported:
+  tokens         scored tokens
+  nll            mean negative log-likelihood per token (nats); ppl = exp(nll)
+  bits_per_byte  total NLL / ln 2 / UTF-8 bytes of the text
+  word_ppl       exp(total NLL / (whitespace words + lines)): one end-of-line per line, the WikiText convention
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+
+def is_shard_pattern(path: str) -> bool:
+    return path.endswith(".tar") or path.startswith("pipe:")
+
+
+def word_units(text: str) -> int:
+    """Whitespace-separated words plus one end-of-line per line."""
+    return len(text.split()) + len(text.splitlines())
+
+
+def documents(paths: list[str], tokenizer, allow_pipe: bool):
+    """(tokens with eos, UTF-8 bytes, word units) of every document named by ``paths``."""
+    import numpy as np
+
+    from pretrain.data import read_documents
+
+    for path in paths:
+        if is_shard_pattern(path):
+            for doc in read_documents(path, allow_pipe=allow_pipe):
+                yield doc.tokens, doc.num_bytes, word_units(tokenizer.decode(doc.tokens[:-1]))
+        else:
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--data {path}: no such file")
+            text = Path(path).read_text(encoding="utf-8")
+            tokens = np.array(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int64)
+            yield tokens, len(text.encode("utf-8")), word_units(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
+    parser.add_argument("--data", required=True, nargs="+", help="text files and/or shard patterns (.tar)")
+    parser.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
+    parser.add_argument("--stride", type=int, help="window start every S tokens (default: --seq-len, no overlap)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    args = parser.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from pretrain.config import load_config
+    from pretrain.data import Tokenizer
+    from pretrain.models import build_lm
+    from pretrain.train import checkpoint
+    from pretrain.train.evaluate import score_documents
+
+    run = Path(args.run)
+    cfg = load_config(run / "config.yaml")
+    ckpt_dir = run / "checkpoints"
+    tag = checkpoint.latest_tag(ckpt_dir) if args.tag == "latest" else args.tag
+    if tag is None:
+        print(f"error: {ckpt_dir} has no 'latest' checkpoint; pass --tag", file=sys.stderr)
+        return 1
+    seq_len = args.seq_len or cfg.train.seq_len
+    stride = args.stride or seq_len
+
+    model = build_lm(cfg.model)
+    model.load_state_dict(checkpoint.load_model_weights(ckpt_dir, tag, zero_stage=cfg.deepspeed.zero_stage))
+    device = torch.device(args.device)
+    model.to(device).eval()
+    tokenizer = Tokenizer(cfg.data.tokenizer)
+
+    docs = list(documents(args.data, tokenizer, cfg.data.allow_pipe))
+    total_tokens = sum(len(tokens) for tokens, _, _ in docs)
+    with tqdm(total=total_tokens, unit="tok", desc="scoring", file=sys.stderr) as bar:
+        nll, tokens = score_documents(model, (tokens for tokens, _, _ in docs), seq_len=seq_len, stride=stride,
+                                      batch_size=args.batch_size, eos_id=tokenizer.eos_id, device=device,
+                                      progress=bar)
+    num_bytes = sum(b for _, b, _ in docs)
+    words = sum(w for _, _, w in docs)
+    result = {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
+              "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
+              "bytes": num_bytes, "words": words, "checkpoint": str(ckpt_dir / tag), "seq_len": seq_len,
+              "stride": stride}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
