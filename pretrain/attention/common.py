@@ -12,6 +12,11 @@ def split_heads(x: torch.Tensor, num_heads: int, *, packed: bool) -> torch.Tenso
     return x.reshape(batch, seq_len, num_heads, dim // num_heads)
 
 
+def project_heads(x: torch.Tensor, projections, num_heads: int, *, packed: bool) -> tuple[torch.Tensor, ...]:
+    """Each projection of ``x``, split into heads (see ``split_heads``)."""
+    return tuple(split_heads(proj(x), num_heads, packed=packed) for proj in projections)
+
+
 def merge_heads(o: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """The inverse of ``split_heads``: back to ``[B, T, H·D]``."""
     return o.reshape(batch, seq_len, -1)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear_attention import linear_attention
-from .common import check_heads, merge_heads, projection_flops, split_heads
+from .common import check_heads, merge_heads, project_heads, projection_flops
 from .registry import register
 
 
@@ -46,7 +46,7 @@ class CosineAttention(nn.Module):
         return self.o_proj(merge_heads(o, x_t.shape[0], 1))[:, 0], state
 
     def _qkv(self, x, *, packed):
-        q, k, v = (split_heads(proj(x), self.num_heads, packed=packed) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)
         return one_plus_unit(q), one_plus_unit(k), v
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -7,7 +7,7 @@ from typing import ClassVar
 from torch import nn
 
 from ..ops import efficient_attention
-from .common import check_heads, merge_heads, projection_flops, split_heads
+from .common import check_heads, merge_heads, project_heads, projection_flops
 from .registry import register
 
 
@@ -36,7 +36,7 @@ class EfficientAttention(nn.Module):
         return self.o_proj(merge_heads(o, x_t.shape[0], 1))[:, 0], state
 
     def _qkv(self, x, *, packed):
-        return tuple(split_heads(proj(x), self.num_heads, packed=packed) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        return project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and a d×d state update and read per head (the recurrent form's work)."""

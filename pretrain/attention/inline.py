@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear_attention import linear_attention
-from .common import check_heads, merge_heads, projection_flops, split_heads, token_positions
+from .common import check_heads, merge_heads, project_heads, projection_flops, token_positions
 from .registry import register
 
 
@@ -61,7 +61,9 @@ class InLineAttention(nn.Module):
     def step(self, x_t, state=None):
         """One token ``[B, C]`` → ``(y_t, state)``; the state is the attention state and the last ``conv_size − 1``
         values (None at the start)."""
-        attn_state, recent = state if state is not None else (None, x_t.new_zeros(x_t.shape[0], self.conv_size - 1, self.dim))
+        if state is None:
+            state = (None, x_t.new_zeros(x_t.shape[0], self.conv_size - 1, self.dim))
+        attn_state, recent = state
         q, k, v = self._qkv(x_t[:, None], packed=False)
         o, attn_state = linear_attention(q, k, v, causal=True, normalize="subtractive", initial_state=attn_state,
                                          output_final_state=True, impl="recurrent")
@@ -73,7 +75,7 @@ class InLineAttention(nn.Module):
         return self.o_proj(o), (attn_state, recent)
 
     def _qkv(self, x, *, packed):
-        q, k, v = (split_heads(proj(x), self.num_heads, packed=packed) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)
         return q * self.head_dim ** -0.5, k, v
 
     def _causal_conv(self, v, positions):

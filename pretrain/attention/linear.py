@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear_attention import linear_attention
-from .common import check_heads, merge_heads, projection_flops, split_heads
+from .common import check_heads, merge_heads, project_heads, projection_flops
 from .registry import register
 
 FEATURE_MAPS = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x: x}
@@ -53,7 +53,7 @@ class LinearAttention(nn.Module):
 
     def _qkv(self, x, *, packed):
         phi = FEATURE_MAPS[self.feature_map]
-        q, k, v = (split_heads(proj(x), self.num_heads, packed=packed) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)
         return phi(q), phi(k), v
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -27,9 +27,10 @@ class SoftAttention(nn.Module):
         if conv_size % 2 == 0:
             raise ValueError(f"soft: conv_size must be odd; got {conv_size}")
         self.dim, self.num_heads, self.causal = dim, num_heads, causal
-        self.stride, self.newton_iters, self.symmetric, self.conv_size = landmark_stride, newton_iters, symmetric, conv_size
+        self.stride, self.newton_iters, self.symmetric = landmark_stride, newton_iters, symmetric
+        self.conv_size = conv_size
         self.q_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(3))
-        self.landmark_conv = nn.Conv2d(self.head_dim, self.head_dim, landmark_stride, stride=landmark_stride, bias=False)
+        self.landmark_conv = nn.Conv2d(self.head_dim, self.head_dim, landmark_stride, landmark_stride, bias=False)
         self.landmark_norm = nn.LayerNorm(self.head_dim)
         self.v_conv = nn.Conv2d(dim, dim, conv_size, padding=conv_size // 2, groups=dim, bias=False)
 

@@ -76,7 +76,7 @@ def local_bias_matrix(w_rel, total, *, window, causal):
     offset = torch.arange(total, device=w_rel.device)[:, None] - torch.arange(total, device=w_rel.device)[None, :]
     index = offset if causal else offset + window - 1
     inside = (offset.abs() < window) & (index >= 0) & (index < w_rel.shape[0])
-    return torch.where(inside, w_rel[index.clamp(0, w_rel.shape[0] - 1)], torch.zeros((), dtype=w_rel.dtype))
+    return w_rel[index.clamp(0, w_rel.shape[0] - 1)].masked_fill(~inside, 0)
 
 
 def aft_local_naive(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None):
@@ -146,7 +146,7 @@ def _causal_chunked(q, k, v, w_rel, chunk):
         # band[t, j]: weight of frame position j (previous chunk, then current) for current-chunk row t
         offset = torch.arange(chunk, device=k.device)[:, None] + chunk - torch.arange(2 * chunk, device=k.device)
         inside = (offset >= 0) & (offset < window)
-        band = torch.where(inside, w_rel.to(k.dtype).exp()[offset.clamp(0, window - 1)] - 1, torch.zeros((), dtype=k.dtype))
+        band = (w_rel.to(k.dtype).exp()[offset.clamp(0, window - 1)] - 1).masked_fill(~inside, 0)
     num_state = k.new_zeros(batch, channels)
     den_state = k.new_zeros(batch, channels)
     running_max = k.new_full((batch, channels), float("-inf"))
@@ -188,7 +188,7 @@ def aft_conv2d_naive(q, k, v, w, *, hw, heads):
     group = k.shape[-1] // heads
     outputs = []
     for head in range(heads):
-        bias = torch.where(inside, w[head][dy.clamp(0, size - 1), dx.clamp(0, size - 1)], torch.zeros((), dtype=w.dtype))
+        bias = w[head][dy.clamp(0, size - 1), dx.clamp(0, size - 1)].masked_fill(~inside, 0)
         piece = slice(head * group, (head + 1) * group)
         outputs.append(aft_full_naive(q[..., piece], k[..., piece], v[..., piece], bias, causal=False))
     return torch.cat(outputs, dim=-1)
