@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretrain.data.shards import ShardError, check_tokenizer, expand_shards
-from pretrain.data.text_shards import iter_shard_documents
+from pretrain.data.text_shards import iter_shard_tokens
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class _Stream:
 
     def _read(self, url: str, skipped: list[int], log_skips: bool) -> list[np.ndarray]:
         try:
-            return [doc.tokens for doc in iter_shard_documents(url)]
+            return list(iter_shard_tokens(url))
         except ShardError as err:
             if not self.skip_corrupt:
                 raise

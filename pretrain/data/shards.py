@@ -5,8 +5,9 @@ A shard is a plain (ustar) tar whose members are grouped into samples by key, we
 field (mtime 0, uid/gid 0, mode 0444), so the same samples give byte-identical shards; a shard appears under its
 final name only once it is complete.
 
-Reading checks every header checksum and the end-of-archive block, so a corrupt or truncated shard is an error
-naming the file (``ShardError``) — never a silently shortened shard, as ``tarfile``'s stream mode can give.
+Reading takes a whole shard into memory and checks every header checksum and the end-of-archive block before
+handing out a sample, so a corrupt or truncated shard is an error naming the file (``ShardError``) and never a
+silently shortened shard, as ``tarfile``'s stream mode can give.
 
 Shard patterns use webdataset's brace expansion (``DIR/shard-{000000..000099}.tar``; ``::`` joins patterns) and
 globs; a directory stands for the shards its ``manifest.json`` lists. A brace range may run past the last shard
@@ -23,11 +24,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 from braceexpand import braceexpand
 
 MANIFEST = "manifest.json"
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
+_FILE_TYPES, _SKIPPED_TYPES = b"0\0", b"5gx"  # regular files; directories and pax headers (no sample data)
 
 
 class ShardError(ValueError):
@@ -157,47 +160,65 @@ def _octal(field: bytes, url: str, offset: int) -> int:
         raise ShardError(f"shard {url}: corrupt tar header at byte {offset}") from None
 
 
+def _check_headers(buf: bytes, offsets: list[int], url: str) -> None:
+    """Every header's checksum, all at once (summing 512 bytes in Python would cost more than the rest)."""
+    if not offsets:
+        return
+    blocks = np.frombuffer(buf, np.uint8)[np.asarray(offsets)[:, None] + np.arange(_BLOCK)].astype(np.int64)
+    computed = blocks.sum(1) - blocks[:, 148:156].sum(1) + 8 * ord(" ")
+    stored = (blocks[:, 148:154] - ord("0")) @ (8 ** np.arange(5, -1, -1))  # the usual six digits, NUL, space
+    for i in np.flatnonzero(stored != computed):  # other spellings of the field, or real corruption
+        offset = offsets[i]
+        if _octal(buf[offset + 148:offset + 156], url, offset) != computed[i]:
+            raise ShardError(f"shard {url}: corrupt tar header at byte {offset} (checksum mismatch)")
+
+
 def iter_members(url: str) -> Iterator[tuple[str, bytes]]:
-    """(name, data) of each regular file in the tar at ``url``, strictly checked."""
+    """(name, data) of each regular file in the tar at ``url``; the whole shard is read and checked first."""
     with _open(url) as stream:
-        offset = 0
-        while True:
-            header = stream.read(_BLOCK)
-            if len(header) == 0 and offset == 0:
-                raise ShardError(f"shard {url} is empty")
-            if len(header) < _BLOCK:
-                raise ShardError(f"shard {url} is truncated at byte {offset + len(header)} (no end-of-archive block)")
-            if header == _ZERO_BLOCK:
-                return
-            checksum = sum(header[:148]) + 8 * 32 + sum(header[156:])
-            if _octal(header[148:156], url, offset) != checksum:
-                raise ShardError(f"shard {url}: corrupt tar header at byte {offset} (checksum mismatch)")
-            name = header[:100].split(b"\0", 1)[0]
-            if header[257:262] == b"ustar" and header[345] != 0:
-                name = header[345:500].split(b"\0", 1)[0] + b"/" + name
-            size = _octal(header[124:136], url, offset)
-            padded = size + (-size) % _BLOCK
-            data = stream.read(padded)
-            if len(data) < padded:
-                raise ShardError(f"shard {url} is truncated inside member {name.decode(errors='replace')!r}")
-            offset += _BLOCK + padded
-            kind = header[156:157]
-            if kind in (b"0", b"\0"):
-                yield name.decode("utf-8", errors="replace"), data[:size]
-            elif kind not in (b"5", b"g", b"x"):  # directories and pax headers carry no sample data
-                raise ShardError(f"shard {url}: unsupported tar member type {kind!r} at byte {offset}")
+        try:
+            buf = stream.read()
+        except OSError as err:
+            raise ShardError(f"cannot read shard {url}: {err}") from None
+    if not buf:
+        raise ShardError(f"shard {url} is empty")
+    members, headers, offset = [], [], 0
+    while True:
+        if offset + _BLOCK > len(buf):
+            _check_headers(buf, headers, url)
+            raise ShardError(f"shard {url} is truncated at byte {len(buf)} (no end-of-archive block)")
+        if buf[offset] == 0 and buf[offset:offset + _BLOCK] == _ZERO_BLOCK:
+            break
+        headers.append(offset)
+        size = _octal(buf[offset + 124:offset + 136], url, offset)
+        end = offset + _BLOCK + size + (-size) % _BLOCK
+        kind = buf[offset + 156]
+        if end > len(buf) or kind not in _FILE_TYPES + _SKIPPED_TYPES:
+            _check_headers(buf, headers, url)  # a corrupt header explains it better than what follows from it
+            if end > len(buf):
+                raise ShardError(f"shard {url} is truncated inside the member at byte {offset}")
+            raise ShardError(f"shard {url}: unsupported tar member type {chr(kind)!r} at byte {offset}")
+        if kind in _FILE_TYPES:
+            name_end = buf.find(b"\0", offset, offset + 100)
+            name = buf[offset:name_end if name_end >= 0 else offset + 100]
+            if buf[offset + 257:offset + 262] == b"ustar" and buf[offset + 345] != 0:
+                name = buf[offset + 345:offset + 500].split(b"\0", 1)[0] + b"/" + name
+            members.append((name.decode("utf-8", errors="replace"), offset + _BLOCK, size))
+        offset = end
+    _check_headers(buf, headers, url)
+    for name, start, size in members:
+        yield name, buf[start:start + size]
 
 
 def iter_samples(url: str) -> Iterator[dict]:
     """Webdataset samples: ``{"__key__": key, ext: bytes, ...}`` from consecutive members sharing a key."""
     sample: dict = {}
     for name, data in iter_members(url):
-        base = os.path.basename(name)
-        prefix = name[:len(name) - len(base)]
+        folder, slash, base = name.rpartition("/")
         stem, dot, ext = base.partition(".")
         if not dot:
             raise ShardError(f"shard {url}: member {name!r} has no extension (expected KEY.EXT)")
-        key = prefix + stem
+        key = folder + slash + stem
         if sample and sample["__key__"] != key:
             yield sample
             sample = {}

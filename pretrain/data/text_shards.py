@@ -40,27 +40,31 @@ def token_extension(vocab_size: int) -> str:
     return "tokens.u16" if vocab_size <= 1 << 16 else "tokens.u32"
 
 
-def decode_sample(sample: dict, url: str) -> Document:
-    key = sample["__key__"]
+def _tokens(sample: dict, url: str) -> np.ndarray:
     for ext, dtype in TOKEN_DTYPES.items():
         if ext in sample:
             data = sample[ext]
             if len(data) % dtype.itemsize:
-                raise ShardError(f"shard {url}: sample {key}: {ext} has {len(data)} bytes, not a whole number of ids")
-            tokens = np.frombuffer(data, dtype=dtype)
-            break
-    else:
-        raise ShardError(f"shard {url}: sample {key} has no tokens.u16/tokens.u32 member (not a text shard?)")
-    try:
-        num_bytes = int(json.loads(sample["json"])["num_bytes"])
-    except (KeyError, ValueError, TypeError):
-        raise ShardError(f"shard {url}: sample {key} lacks a json member with num_bytes") from None
-    return Document(tokens, num_bytes, f"{url}#{key}")
+                raise ShardError(f"shard {url}: sample {sample['__key__']}: {ext} has {len(data)} bytes, "
+                                 "not a whole number of ids")
+            return np.frombuffer(data, dtype=dtype)
+    raise ShardError(f"shard {url}: sample {sample['__key__']} has no tokens.u16/tokens.u32 member "
+                     "(not a text shard?)")
 
 
 def iter_shard_documents(url: str) -> Iterator[Document]:
     for sample in iter_samples(url):
-        yield decode_sample(sample, url)
+        try:
+            num_bytes = int(json.loads(sample["json"])["num_bytes"])
+        except (KeyError, ValueError, TypeError):
+            raise ShardError(f"shard {url}: sample {sample['__key__']} lacks a json member with num_bytes") from None
+        yield Document(_tokens(sample, url), num_bytes, f"{url}#{sample['__key__']}")
+
+
+def iter_shard_tokens(url: str) -> Iterator[np.ndarray]:
+    """Just the token arrays, for training (which needs no byte counts)."""
+    for sample in iter_samples(url):
+        yield _tokens(sample, url)
 
 
 def read_documents(pattern: str, *, allow_pipe: bool = False) -> Iterator[Document]:

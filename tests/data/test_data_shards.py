@@ -85,8 +85,9 @@ def corrupt(path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncated":
         del data[len(data) // 2:]
-    else:  # flip a byte in the name of a member header in the middle
-        data[512 * 8 + 3] ^= 0xFF
+    else:  # flip a byte in the name of a member header in the middle (member names are KEY.EXT, KEY 10 digits)
+        header = next(o for o in range(len(data) // 1024 * 512, len(data), 512) if data[o:o + 10].isdigit() and data[o + 10] == ord("."))
+        data[header + 3] ^= 0xFF
     path.write_bytes(bytes(data))
 
 
