@@ -14,14 +14,13 @@ A directory is read lazily; a tar is read into memory once (fine for CIFAR-scale
 import io
 import os
 import random
-import tarfile
 from collections import Counter
 from collections.abc import Callable
 
 from PIL import Image
 from tqdm import tqdm
 
-from pretrain.data.shards import ShardWriter, fresh_output_dir, write_manifest
+from pretrain.data.shards import ShardError, ShardWriter, fresh_output_dir, iter_members, write_manifest
 
 IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"}
 
@@ -61,10 +60,8 @@ def make_image_shards(source: str, out_dir: str, *, split: str | None = None, im
                 return f.read()
     elif os.path.isfile(source):
         try:
-            with tarfile.open(source) as tar:
-                blobs = {m.name: tar.extractfile(m).read() for m in tqdm(tar, desc="reading", unit="file",
-                                                                        disable=not progress) if m.isfile()}
-        except (tarfile.TarError, EOFError, OSError) as err:
+            blobs = dict(iter_members(source))
+        except ShardError as err:
             raise ValueError(f"{source} is not a readable tar ({err})") from None
         names, read = list(blobs), blobs.__getitem__
     else:

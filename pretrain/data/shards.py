@@ -15,11 +15,13 @@ globs; a directory stands for the shards its ``manifest.json`` lists. A brace ra
 ``allow_pipe`` is set.
 """
 import glob
+import gzip
 import io
 import json
 import os
 import subprocess
 import tarfile
+import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,7 +32,7 @@ from braceexpand import braceexpand
 MANIFEST = "manifest.json"
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
-_FILE_TYPES, _SKIPPED_TYPES = b"0\0", b"5gx"  # regular files; directories and pax headers (no sample data)
+_FILE_TYPES, _NAME_TYPES, _SKIPPED_TYPES = b"0\0", b"Lx", b"5g"  # regular files; long names; dirs, global pax
 
 
 class ShardError(ValueError):
@@ -161,28 +163,40 @@ def _octal(field: bytes, url: str, offset: int) -> int:
 
 
 def _check_headers(buf: bytes, offsets: list[int], url: str) -> None:
-    """Every header's checksum, all at once (summing 512 bytes in Python would cost more than the rest)."""
-    if not offsets:
-        return
-    blocks = np.frombuffer(buf, np.uint8)[np.asarray(offsets)[:, None] + np.arange(_BLOCK)].astype(np.int64)
-    computed = blocks.sum(1) - blocks[:, 148:156].sum(1) + 8 * ord(" ")
-    stored = (blocks[:, 148:154] - ord("0")) @ (8 ** np.arange(5, -1, -1))  # the usual six digits, NUL, space
-    for i in np.flatnonzero(stored != computed):  # other spellings of the field, or real corruption
-        offset = offsets[i]
-        if _octal(buf[offset + 148:offset + 156], url, offset) != computed[i]:
-            raise ShardError(f"shard {url}: corrupt tar header at byte {offset} (checksum mismatch)")
+    """Every header's checksum, vectorized (summing 512 bytes in Python would cost more than the rest)."""
+    data, digits = np.frombuffer(buf, np.uint8), 8 ** np.arange(5, -1, -1)
+    for first in range(0, len(offsets), 4096):
+        chunk = np.asarray(offsets[first:first + 4096])
+        blocks = data[chunk[:, None] + np.arange(_BLOCK)]
+        computed = blocks.sum(1, dtype=np.int64) - blocks[:, 148:156].sum(1, dtype=np.int64) + 8 * ord(" ")
+        stored = (blocks[:, 148:154].astype(np.int64) - ord("0")) @ digits  # the usual six digits, NUL, space
+        for i in np.flatnonzero(stored != computed):  # another spelling of the field, or real corruption
+            offset = int(chunk[i])
+            if _octal(buf[offset + 148:offset + 156], url, offset) != computed[i]:
+                raise ShardError(f"shard {url}: corrupt tar header at byte {offset} (checksum mismatch)")
+
+
+def _long_name(kind: int, data: bytes) -> bytes | None:
+    """The next member's name from a GNU ``L`` record or a pax ``x`` record (``LEN path=NAME\\n`` lines)."""
+    if kind == ord("L"):
+        return data.split(b"\0", 1)[0]
+    for record in data.split(b"\n"):
+        _, _, field = record.partition(b" ")
+        if field.startswith(b"path="):
+            return field[len(b"path="):]
+    return None
 
 
 def iter_members(url: str) -> Iterator[tuple[str, bytes]]:
-    """(name, data) of each regular file in the tar at ``url``; the whole shard is read and checked first."""
+    """(name, data) of each regular file in the tar (or .tar.gz) at ``url``, the whole of it read and checked first."""
     with _open(url) as stream:
         try:
-            buf = stream.read()
-        except OSError as err:
+            buf = (gzip.GzipFile(fileobj=stream) if url.endswith(".gz") else stream).read()
+        except (OSError, EOFError, zlib.error) as err:
             raise ShardError(f"cannot read shard {url}: {err}") from None
     if not buf:
         raise ShardError(f"shard {url} is empty")
-    members, headers, offset = [], [], 0
+    members, headers, offset, long_name = [], [], 0, None
     while True:
         if offset + _BLOCK > len(buf):
             _check_headers(buf, headers, url)
@@ -191,19 +205,26 @@ def iter_members(url: str) -> Iterator[tuple[str, bytes]]:
             break
         headers.append(offset)
         size = _octal(buf[offset + 124:offset + 136], url, offset)
-        end = offset + _BLOCK + size + (-size) % _BLOCK
+        start, end = offset + _BLOCK, offset + _BLOCK + size + (-size) % _BLOCK
         kind = buf[offset + 156]
-        if end > len(buf) or kind not in _FILE_TYPES + _SKIPPED_TYPES:
+        if end > len(buf) or kind not in _FILE_TYPES + _NAME_TYPES + _SKIPPED_TYPES:
             _check_headers(buf, headers, url)  # a corrupt header explains it better than what follows from it
             if end > len(buf):
                 raise ShardError(f"shard {url} is truncated inside the member at byte {offset}")
             raise ShardError(f"shard {url}: unsupported tar member type {chr(kind)!r} at byte {offset}")
-        if kind in _FILE_TYPES:
-            name_end = buf.find(b"\0", offset, offset + 100)
-            name = buf[offset:name_end if name_end >= 0 else offset + 100]
-            if buf[offset + 257:offset + 262] == b"ustar" and buf[offset + 345] != 0:
-                name = buf[offset + 345:offset + 500].split(b"\0", 1)[0] + b"/" + name
-            members.append((name.decode("utf-8", errors="replace"), offset + _BLOCK, size))
+        if kind in _NAME_TYPES:
+            long_name = _long_name(kind, buf[start:start + size]) or long_name
+        elif kind in _FILE_TYPES:
+            name = long_name
+            if name is None:
+                name_end = buf.find(b"\0", offset, offset + 100)
+                name = buf[offset:name_end if name_end >= 0 else offset + 100]
+                if buf[offset + 257:offset + 262] == b"ustar" and buf[offset + 345] != 0:
+                    name = buf[offset + 345:offset + 500].split(b"\0", 1)[0] + b"/" + name
+            members.append((name.decode("utf-8", errors="replace"), start, size))
+            long_name = None
+        else:
+            long_name = None
         offset = end
     _check_headers(buf, headers, url)
     for name, start, size in members:

@@ -1,14 +1,17 @@
 """Text shards: manifest, byte-identical reruns, and every bad input a clear error naming the file."""
+import io
 import json
 import logging
 import os
 import sys
+import tarfile
 from itertools import islice
 
 import numpy as np
 import pytest
 
 from pretrain.data import ShardError, TokenLoader, make_text_shards, read_documents
+from pretrain.data.shards import iter_members
 
 
 @pytest.fixture
@@ -86,7 +89,8 @@ def corrupt(path, how: str) -> None:
     if how == "truncated":
         del data[len(data) // 2:]
     else:  # flip a byte in the name of a member header in the middle (member names are KEY.EXT, KEY 10 digits)
-        header = next(o for o in range(len(data) // 1024 * 512, len(data), 512) if data[o:o + 10].isdigit() and data[o + 10] == ord("."))
+        header = next(o for o in range(len(data) // 1024 * 512, len(data), 512)
+                      if data[o:o + 10].isdigit() and data[o + 10] == ord("."))
         data[header + 3] ^= 0xFF
     path.write_bytes(bytes(data))
 
@@ -137,3 +141,25 @@ def test_pipe_urls_only_when_allowed(shards):
     assert len(list(loader)) > 0
     with pytest.raises(ShardError, match="exited with status"):
         list(read_documents(f"pipe:{sys.executable} -c 'import sys; sys.exit(3)'", allow_pipe=True))
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("compression", ["", "gz"])
+def test_tar_reader_agrees_with_tarfile(tmp_path, tar_format, compression):
+    rng = np.random.default_rng(0)
+    names = ["a/b.txt", "x" * 80 + "/" + "y" * 30 + ".bin", "deep/" * 30 + "z.dat", "ünïcode/ſ.txt", "empty.txt"]
+    if tar_format == tarfile.USTAR_FORMAT:
+        names = [n for n in names if len(n) < 100 and n.isascii()]
+    path = tmp_path / f"t.tar{'.gz' if compression else ''}"
+    with tarfile.open(path, f"w:{compression}", format=tar_format) as tar:
+        directory = tarfile.TarInfo("a")
+        directory.type = tarfile.DIRTYPE
+        tar.addfile(directory)
+        for name in names:
+            data = rng.bytes(int(rng.integers(0, 3000))) if name != "empty.txt" else b""
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with tarfile.open(path) as tar:
+        expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    assert list(iter_members(str(path))) == expected
