@@ -1,17 +1,11 @@
-"""Fixtures of the training tests: a generated corpus, a real tokenizer and real shards, and a launcher helper."""
+"""Fixtures of the training tests: a generated corpus, a real tokenizer and real shards."""
 import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from pretrain.data import make_text_shards, train_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
-PYTHON = sys.executable
 SUBJECTS = ["the cat", "a dog", "my friend", "the river", "some bird", "our teacher"]
 VERBS = ["sees", "likes", "follows", "finds", "draws", "hears"]
 OBJECTS = ["the moon", "a stone", "the light", "an apple", "the road", "a song"]
@@ -45,39 +39,3 @@ def lm_data(tmp_path_factory) -> dict[str, str]:
             "val_shards": str(root / "val" / "shard-{000000..000099}.tar"),
             "held_out": str(root / "held_out.txt"),
             "root": str(root)}
-
-
-def tiny_overrides(lm_data: dict[str, str], run_dir: Path, **extra) -> list[str]:
-    """A dim-64, 2-layer softmax LM on the generated data; ``extra`` (dotted keys with __ for .) wins."""
-    values = {
-        "run.dir": str(run_dir), "data.tokenizer": lm_data["tokenizer"], "data.train_shards": lm_data["train_shards"],
-        "data.val_shards": lm_data["val_shards"], "data.num_workers": 0, "data.shuffle_buffer": 64,
-        "model.dim": 64, "model.n_layers": 2, "model.n_heads": 2, "train.seq_len": 64, "train.micro_batch_size": 4,
-        "train.max_steps": 30, "optim.lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 5,
-        "deepspeed.zero_stage": 0, "deepspeed.precision": "fp32", "log.every": 1, "log.val_every": 10, "log.val_batches": 50, "checkpoint.every": 10, "checkpoint.keep_last": 2,
-    }
-    values.update({key.replace("__", "."): value for key, value in extra.items()})
-    return [f"{key}={value}" for key, value in values.items()]
-
-
-def launch(overrides: list[str], *, ranks: int = 1, check: bool = True, **popen) -> subprocess.CompletedProcess:
-    """Run launch/pretrain.py as a user would: plain python for one rank, torchrun for several (gloo on CPU)."""
-    if ranks == 1:
-        argv = [PYTHON, "launch/pretrain.py"]
-    else:
-        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "launch/pretrain.py"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(argv + ["--config", "configs/tiny_lm.yaml"] + overrides, cwd=REPO, env=env,
-                            capture_output=True, text=True, **popen)
-    if check and result.returncode != 0:
-        raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return result
-
-
-def read_metrics(run_dir: Path) -> dict[int, dict]:
-    """metrics.jsonl by step; a step logged twice (before an interruption and after the resume) keeps the later."""
-    by_step: dict[int, dict] = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step

@@ -1,0 +1,194 @@
+"""Real training runs: launch/pretrain.py on 2 gloo ranks (torchrun) or one plain python process.
+
+One 20-step run per ZeRO stage is shared by the tests (each launch costs seconds of DeepSpeed start-up).
+"""
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.train import checkpoint
+
+from launching import PYTHON, REPO, launch, read_metrics, tiny_overrides
+
+pytestmark = pytest.mark.dist
+STEPS = 20
+
+
+def run_overrides(lm_data, run_dir, stage, **extra):
+    return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, train__max_steps=STEPS,
+                          checkpoint__every=5, **extra)
+
+
+@pytest.fixture(scope="module")
+def zero_run(lm_data, tmp_path_factory):
+    """``zero_run(stage)``: the run directory of a finished 2-rank run under that ZeRO stage (launched once).
+    ZeRO 3 also recomputes activations (DeepSpeed's activation checkpointing), which must not change the math."""
+    root, done = tmp_path_factory.mktemp("runs"), {}
+
+    def get(stage: int) -> Path:
+        if stage not in done:
+            extra = {"deepspeed__activation_checkpointing": "true"} if stage == 3 else {}
+            launch(run_overrides(lm_data, root / f"zero{stage}", stage, **extra), ranks=2)
+            done[stage] = root / f"zero{stage}"
+        return done[stage]
+
+    return get
+
+
+def losses(run_dir: Path) -> list[float]:
+    metrics = read_metrics(run_dir)
+    return [metrics[step]["train/loss"] for step in range(1, STEPS + 1)]
+
+
+def test_loss_falls_and_every_metric_is_logged(zero_run):
+    run = zero_run(0)
+    curve = losses(run)
+    assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 1.0, curve
+    metrics = read_metrics(run)
+    for key in ("train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_per_s_per_rank",
+                "train/flops_per_s_per_rank", "train/peak_memory_bytes", "train/epoch", "train/tokens_seen"):
+        assert all(math.isfinite(metrics[step][key]) for step in range(1, STEPS + 1)), key
+    assert metrics[STEPS]["train/tokens_seen"] == STEPS * 2 * 4 * 64  # steps × ranks × micro-batch × seq_len
+    assert metrics[1]["train/lr"] < metrics[5]["train/lr"] > metrics[STEPS]["train/lr"]  # warmup, then decay
+    assert metrics[10]["val/ppl"] == pytest.approx(math.exp(metrics[10]["val/loss"]))
+    assert metrics[STEPS]["val/loss"] < metrics[10]["val/loss"]
+    ckpts = run / "checkpoints"
+    assert checkpoint.latest_tag(ckpts) == "step00000020"
+    assert sorted(p.name for p in ckpts.glob("step*")) == ["step00000015", "step00000020"]  # keep_last=2
+    assert sorted(p.name for p in (ckpts / "step00000020").glob("client_state_*")) == [
+        "client_state_rank00000.pt", "client_state_rank00001.pt"]
+    assert "d_model" not in (run / "config.yaml").read_text() and "dim: 64" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stages_follow_zero0(zero_run, stage):
+    reference, metrics = read_metrics(zero_run(0)), read_metrics(zero_run(stage))
+    for step in range(1, STEPS + 1):
+        for key in ("train/loss", "train/grad_norm"):
+            assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-4), (step, key)
+    assert metrics[STEPS]["val/loss"] == pytest.approx(reference[STEPS]["val/loss"], rel=1e-4)
+
+
+def test_sigterm_saves_and_relaunch_resumes_exactly(zero_run, lm_data, tmp_path):
+    """Preempt a ZeRO-2 run mid-way with SIGTERM to the whole process group; the relaunched run must log the same
+    losses, gradient norms and validation losses, bit for bit, as the uninterrupted one."""
+    run = tmp_path / "preempted"
+    overrides = run_overrides(lm_data, run, 2)
+    argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain.py",
+            "--config", "configs/tiny_lm.yaml", *overrides]
+    process = subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not ((run / "metrics.jsonl").exists() and max(read_metrics(run), default=0) >= 3):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[0][-4000:]
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGTERM)
+    output = process.communicate(timeout=300)[0]
+    assert "stopped by SIGTERM" in output, output[-4000:]
+    stopped_at = int(checkpoint.latest_tag(run / "checkpoints")[4:])
+    assert 3 <= stopped_at < STEPS, output[-4000:]
+
+    launch(overrides, ranks=2)
+    resumed, reference = read_metrics(run), read_metrics(zero_run(2))
+    assert [resumed[s]["train/loss"] for s in range(1, STEPS + 1)] == losses(zero_run(2))
+    assert [resumed[s]["train/grad_norm"] for s in range(1, STEPS + 1)] == [
+        reference[s]["train/grad_norm"] for s in range(1, STEPS + 1)]
+    assert resumed[STEPS]["val/loss"] == reference[STEPS]["val/loss"]
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_eval_ppl_agrees_with_the_logged_validation_loss(zero_run, lm_data, stage):
+    run = zero_run(stage)
+    result = subprocess.run([PYTHON, "tools/eval_ppl.py", "--run", str(run), "--data", lm_data["val_shards"],
+                             "--batch-size", "3", "--json"], cwd=REPO, capture_output=True, text=True, check=True)
+    scores = json.loads(result.stdout.strip().splitlines()[-1])
+    logged = read_metrics(run)[STEPS]
+    assert scores["tokens"] == logged["val/tokens"]
+    assert scores["nll"] == pytest.approx(logged["val/loss"], rel=1e-5)
+    assert scores["ppl"] == pytest.approx(math.exp(scores["nll"]))
+    assert scores["bits_per_byte"] == pytest.approx(scores["nll"] * scores["tokens"] / math.log(2) / scores["bytes"])
+
+
+def test_eval_ppl_on_a_text_file_counts_tokens_bytes_and_words(zero_run, lm_data):
+    from pretrain.data import Tokenizer
+
+    result = subprocess.run([PYTHON, "tools/eval_ppl.py", "--run", str(zero_run(0)), "--data", lm_data["held_out"],
+                             "--seq-len", "48", "--stride", "16", "--json"],
+                            cwd=REPO, capture_output=True, text=True, check=True)
+    scores = json.loads(result.stdout.strip().splitlines()[-1])
+    text = Path(lm_data["held_out"]).read_text(encoding="utf-8")
+    assert scores["tokens"] == len(Tokenizer(lm_data["tokenizer"]).encode(text)) + 1  # + end of document
+    assert scores["bytes"] == len(text.encode("utf-8"))
+    assert scores["words"] == len(text.split()) + len(text.splitlines())
+    total_nll = scores["nll"] * scores["tokens"]
+    assert scores["word_ppl"] == pytest.approx(math.exp(total_nll / scores["words"]))
+    assert 1.0 < scores["ppl"] < 320  # better than uniform over the vocabulary after training
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_serves_the_logged_losses(zero_run):
+    run, port = zero_run(0), _free_port()
+    server = subprocess.Popen([str(Path(PYTHON).parent / "tensorboard"), "--logdir", str(run / "tensorboard"),
+                               "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag=train/loss"
+        deadline, points = time.time() + 120, []
+        while len(points) < STEPS and time.time() < deadline:
+            try:
+                points = json.loads(urllib.request.urlopen(url, timeout=5).read())
+            except (OSError, ValueError):
+                time.sleep(0.5)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert [step for _, step, _ in points] == list(range(1, STEPS + 1))
+    assert [value for _, _, value in points] == pytest.approx(losses(run), rel=1e-6)  # stored as float32
+
+
+def test_relaunch_with_a_changed_model_is_refused_and_loses_nothing(zero_run, lm_data):
+    run = zero_run(0)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    result = launch(run_overrides(lm_data, run, 0, model__dim=96), ranks=1, check=False)
+    assert result.returncode != 0
+    assert "model.dim" in result.stderr
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_bad_config_names_the_key(lm_data, tmp_path):
+    result = launch(tiny_overrides(lm_data, tmp_path / "bad", model__n_heads=3), check=False)
+    assert result.returncode == 2 and "model.n_heads" in result.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_nonfinite_steps_stop_the_run_keeping_the_last_good_checkpoint(lm_data, tmp_path):
+    """A learning rate of 100 blows the weights up within a few steps (plain python, one process, no ZeRO)."""
+    run = tmp_path / "diverging"
+    result = launch(tiny_overrides(lm_data, run, optim__lr=100.0, optim__min_lr=0, schedule__warmup_steps=10,
+                                   checkpoint__every=1, train__max_nonfinite_steps=3, data__val_shards="null"),
+                    check=False)
+    assert result.returncode == 1
+    assert "3 non-finite steps in a row (train.max_nonfinite_steps=3)" in result.stderr, result.stderr[-3000:]
+    good = checkpoint.latest_tag(run / "checkpoints")
+    assert good is not None and good in result.stderr
+    metrics = read_metrics(run)
+    good_step = int(good[4:])
+    assert all(math.isfinite(metrics[s]["train/loss"]) and math.isfinite(metrics[s]["train/grad_norm"])
+               for s in range(1, good_step + 1))
+    assert "non-finite" in result.stdout and good_step + 3 not in metrics
+    weights = checkpoint.load_model_weights(run / "checkpoints", good, zero_stage=0)
+    assert all(torch.isfinite(w).all() for w in weights.values())
