@@ -16,7 +16,6 @@ import json
 import multiprocessing
 import os
 from collections.abc import Iterator
-from itertools import islice
 from typing import NamedTuple
 
 import numpy as np
@@ -94,8 +93,16 @@ def _encode_chunk(texts: list[str]) -> list[tuple[bytes, int, int]]:
     return out
 
 
-def _chunks(documents: Iterator[str], size: int) -> Iterator[list[str]]:
-    while chunk := list(islice(documents, size)):
+def _chunks(documents: Iterator[str], max_docs: int = 256, max_chars: int = 1 << 20) -> Iterator[list[str]]:
+    """Work units for the tokenizing processes: small enough to share out long documents evenly."""
+    chunk, chars = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        chars += len(doc)
+        if len(chunk) == max_docs or chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
         yield chunk
 
 
@@ -108,7 +115,7 @@ def make_text_shards(inputs: list[str], tokenizer_path: str, out_dir: str, *, do
         raise ValueError(f"docs_per_shard={docs_per_shard}: must be at least 1")
     extension = token_extension(tokenizer.vocab_size)
     writer = ShardWriter(out_dir, samples_per_shard=docs_per_shard)
-    chunks = _chunks(read_text_documents(paths, txt_docs=txt_docs, progress=progress), 256)
+    chunks = _chunks(read_text_documents(paths, txt_docs=txt_docs, progress=progress))
     pool = multiprocessing.Pool(workers, _init_worker, (tokenizer_path,)) if workers > 1 else None
     _init_worker(tokenizer_path)
     encoded = pool.imap(_encode_chunk, chunks) if pool else map(_encode_chunk, chunks)

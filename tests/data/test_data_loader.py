@@ -33,11 +33,11 @@ def test_text_to_batches_every_token_once_per_epoch_2_ranks_2_workers(corpus, to
     all_docs = [tuple(d.tokens) for d in read_documents(str(tmp_path / "shards"))]
     seen = []
     for rank in range(2):
-        loader = TokenLoader(str(tmp_path / "shards"), seq_len=32, batch_size=2, rank=rank, world_size=2,
+        loader = TokenLoader(str(tmp_path / "shards"), seq_len=64, batch_size=4, rank=rank, world_size=2,
                              num_workers=2, shuffle_buffer=50, seed=3, tokenizer_sha256=tokenizer.sha256)
         batches = []
         for batch in loader:
-            assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (2, 32)
+            assert batch["input_ids"].dtype == torch.long and batch["input_ids"].shape == (4, 64)
             batches.append(batch)
             if loader.epoch == 1:
                 break
