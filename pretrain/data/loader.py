@@ -43,8 +43,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pretrain.data.shards import ShardError, check_tokenizer, expand_shards
-from pretrain.data.text_shards import iter_shard_tokens
+from pretrain.data.shards import ShardError, expand_shards
+from pretrain.data.text_shards import check_tokenizer, iter_shard_tokens
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class _Stream:
     shuffle_buffer: int
     epochs: int | None
     skip_corrupt: bool
+    tokenizer_sha256: str | None
     seq_len: int
     batch_size: int
 
@@ -78,7 +79,7 @@ class _Stream:
 
     def _read(self, url: str, skipped: list[int], log_skips: bool) -> list[np.ndarray]:
         try:
-            return list(iter_shard_tokens(url))
+            return list(iter_shard_tokens(url, self.tokenizer_sha256))
         except ShardError as err:
             if not self.skip_corrupt:
                 raise
@@ -196,7 +197,7 @@ class TokenLoader:
         if tokenizer_sha256 is not None:
             check_tokenizer(urls, tokenizer_sha256)
         self._stream = _Stream(tuple(urls), rank, world_size, seed, shuffle, shuffle_buffer, epochs, skip_corrupt,
-                               seq_len, batch_size)
+                               tokenizer_sha256, seq_len, batch_size)
         self.num_workers = num_workers
         self._cursor = _Cursor(0, 0, 0, 0)
         self.skipped_shards = 0

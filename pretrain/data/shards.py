@@ -22,7 +22,6 @@ import os
 import subprocess
 import tarfile
 import zlib
-from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -103,23 +102,6 @@ def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
         return _existing_prefix(urls, pattern)
     kept = set(_existing_prefix(local, pattern))
     return [u for u in urls if u.startswith("pipe:") or u in kept]
-
-
-def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
-    """Refuse shards whose manifest records a different tokenizer (or none), naming the shard."""
-    by_directory = defaultdict(list)
-    for url in urls:
-        if url.startswith("pipe:"):
-            raise ShardError(f"cannot check the tokenizer of {url!r}: pipe: shards have no manifest beside them")
-        by_directory[os.path.dirname(url) or "."].append(url)
-    for directory, shards in by_directory.items():
-        try:
-            recorded = load_manifest(directory).get("tokenizer_sha256")
-        except ShardError as err:
-            raise ShardError(f"cannot check the tokenizer of shard {shards[0]}: {err}") from None
-        if recorded != tokenizer_sha256:
-            raise ShardError(f"shard {shards[0]} was written with tokenizer sha256 {recorded} "
-                             f"({os.path.join(directory, MANIFEST)}), but this run's tokenizer is {tokenizer_sha256}")
 
 
 # ---------------------------------------------------------------- reading

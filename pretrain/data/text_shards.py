@@ -3,7 +3,8 @@
 Sample format (key = the document's index in the whole set, 10 digits):
 - ``KEY.tokens.u16`` or ``KEY.tokens.u32``: the token ids, **``eos`` appended**, as raw little-endian unsigned
   integers (``u16`` when the vocabulary has at most 65536 ids, else ``u32``); the extension names the dtype.
-- ``KEY.json``: ``{"num_bytes": N}``, the UTF-8 byte length of the document's text (for bits per byte).
+- ``KEY.json``: ``{"num_bytes": N, "tokenizer_sha256": "..."}``: the UTF-8 byte length of the document's text (for
+  bits per byte) and the tokenizer's identity, so that shards read through ``pipe:`` can be checked too.
 
 ``DIR/manifest.json`` holds ``shards`` (count), ``documents``, ``tokens`` (eos included), ``bytes``,
 ``tokenizer_sha256``, ``vocab_size``, ``eos_id``, ``token_dtype``, the input files and the document rule, and
@@ -21,8 +22,8 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from pretrain.data.shards import ShardError, ShardWriter, expand_shards, fresh_output_dir, iter_samples, \
-    write_manifest
+from pretrain.data.shards import MANIFEST, ShardError, ShardWriter, expand_shards, fresh_output_dir, iter_samples, \
+    load_manifest, write_manifest
 from pretrain.data.text_files import expand_inputs, read_text_documents
 from pretrain.data.tokenizer import Tokenizer
 
@@ -60,10 +61,38 @@ def iter_shard_documents(url: str) -> Iterator[Document]:
         yield Document(_tokens(sample, url), num_bytes, f"{url}#{sample['__key__']}")
 
 
-def iter_shard_tokens(url: str) -> Iterator[np.ndarray]:
-    """Just the token arrays, for training (which needs no byte counts)."""
-    for sample in iter_samples(url):
+def iter_shard_tokens(url: str, tokenizer_sha256: str | None = None) -> Iterator[np.ndarray]:
+    """Just the token arrays, for training (which needs no byte counts); checks the tokenizer if given."""
+    for i, sample in enumerate(iter_samples(url)):
+        if i == 0 and tokenizer_sha256 is not None:
+            try:
+                recorded = json.loads(sample["json"]).get("tokenizer_sha256")
+            except (KeyError, ValueError, AttributeError):
+                recorded = None
+            if recorded != tokenizer_sha256:
+                raise ShardError(f"shard {url} was written with tokenizer sha256 {recorded}, "
+                                 f"but this run's tokenizer is {tokenizer_sha256}")
         yield _tokens(sample, url)
+
+
+def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
+    """Refuse local shards whose manifest records another tokenizer (or none), before any reading starts.
+
+    ``pipe:`` shards have no manifest at hand; ``iter_shard_tokens`` checks each as it is read.
+    """
+    checked: set[str] = set()
+    for url in urls:
+        directory = os.path.dirname(url) or "."
+        if url.startswith("pipe:") or directory in checked:
+            continue
+        checked.add(directory)
+        try:
+            recorded = load_manifest(directory).get("tokenizer_sha256")
+        except ShardError as err:
+            raise ShardError(f"cannot check the tokenizer of shard {url}: {err}") from None
+        if recorded != tokenizer_sha256:
+            raise ShardError(f"shard {url} was written with tokenizer sha256 {recorded} "
+                             f"({os.path.join(directory, MANIFEST)}), but this run's tokenizer is {tokenizer_sha256}")
 
 
 def read_documents(pattern: str, *, allow_pipe: bool = False) -> Iterator[Document]:
@@ -114,6 +143,7 @@ def make_text_shards(inputs: list[str], tokenizer_path: str, out_dir: str, *, do
     if docs_per_shard < 1:
         raise ValueError(f"docs_per_shard={docs_per_shard}: must be at least 1")
     extension = token_extension(tokenizer.vocab_size)
+    json_format = b'{"num_bytes":%d,"tokenizer_sha256":"' + tokenizer.sha256.encode() + b'"}'
     writer = ShardWriter(out_dir, samples_per_shard=docs_per_shard)
     chunks = _chunks(read_text_documents(paths, txt_docs=txt_docs, progress=progress))
     pool = multiprocessing.Pool(workers, _init_worker, (tokenizer_path,)) if workers > 1 else None
@@ -124,7 +154,7 @@ def make_text_shards(inputs: list[str], tokenizer_path: str, out_dir: str, *, do
         with fresh_output_dir(out_dir), tqdm(unit="doc", desc="sharding", disable=not progress) as bar:
             for chunk in encoded:
                 for data, num_tokens, num_bytes in chunk:
-                    writer.add(f"{count:010d}", {extension: data, "json": b'{"num_bytes":%d}' % num_bytes},
+                    writer.add(f"{count:010d}", {extension: data, "json": json_format % num_bytes},
                                tokens=num_tokens, bytes=num_bytes)
                     count += 1
                 bar.update(len(chunk))
