@@ -25,13 +25,14 @@ def efficient_attention(
     cu_seqlens: torch.Tensor | None = None,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
     impl: str = "auto",
 ):
     """q, k ``[B, T, H, D]``, v ``[B, T, H, Dv]`` → o ``[B, T, H, Dv]`` (or ``(o, state)``).
 
     ``impl``: "naive" (the O(T²) definition), "chunk" (causal: chunks of ``chunk_size``; non-causal: the
-    published two-matmul form) or "auto" (= "chunk"). ``initial_state``/``output_final_state`` carry the causal
+    published two-matmul form) or "auto" (= "chunk"). The causal chunk weighs every key channel separately,
+    C×C×D exponentials per chunk, so chunks are smaller than linear attention's (16 measured fastest on CPU). ``initial_state``/``output_final_state`` carry the causal
     state ``(Ŝ [B,H,D,Dv], L [B,H,D])`` across calls, e.g. for token-by-token decoding.
     """
     if not (q.shape[:3] == k.shape[:3] == v.shape[:3] and q.shape[-1] == k.shape[-1]):
