@@ -56,6 +56,18 @@ class _Cursor(NamedTuple):
     token: int
 
 
+class _Skips:
+    """Corrupt shards left out so far in one walk of the stream; one worker logs them, all count them."""
+
+    def __init__(self, log: bool):
+        self.count, self.log = 0, log
+
+    def record(self, err: ShardError) -> None:
+        self.count += 1
+        if self.log:
+            log.warning("skipping corrupt shard (%d skipped so far): %s", self.count, err)
+
+
 @dataclass(frozen=True)
 class _Stream:
     """The logical stream of one rank; see the module docstring."""
@@ -77,46 +89,44 @@ class _Stream:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(self.urls))
         return [self.urls[i] for i in order[self.rank::self.world_size]]
 
-    def _read(self, url: str, skipped: list[int], log_skips: bool) -> list[np.ndarray]:
+    def _read(self, url: str, skips: _Skips) -> list[np.ndarray]:
         try:
             return list(iter_shard_tokens(url, self.tokenizer_sha256))
         except ShardError as err:
             if not self.skip_corrupt:
                 raise
-            skipped[0] += 1
-            if log_skips:
-                log.warning("skipping corrupt shard (%d skipped so far): %s", skipped[0], err)
+            skips.record(err)
             return []
 
-    def windows(self, epoch: int, start: int, skipped: list[int], log_skips: bool):
+    def windows(self, epoch: int, start: int, skips: _Skips) -> Iterator[tuple[int, list[np.ndarray]]]:
         """(position of the first shard, documents in shuffled order) of each window from shard ``start``."""
         shards = self.epoch_shards(epoch)
         i = start
         while i < len(shards):
             first, docs = i, []
             while i < len(shards) and (i == first or (self.shuffle and len(docs) < self.shuffle_buffer)):
-                docs.extend(self._read(shards[i], skipped, log_skips))
+                docs.extend(self._read(shards[i], skips))
                 i += 1
             if self.shuffle and self.shuffle_buffer > 1:
                 order = np.random.default_rng([self.seed, epoch, self.rank, first]).permutation(len(docs))
                 docs = [docs[j] for j in order]
             yield first, docs
 
-    def documents(self, start: _Cursor, skipped: list[int], log_skips: bool) -> Iterator[tuple[np.ndarray, _Cursor]]:
+    def documents(self, start: _Cursor, skips: _Skips) -> Iterator[tuple[np.ndarray, _Cursor]]:
         """(tokens from the cursor on, cursor of their first token) of each document from ``start``."""
         epoch = start.epoch
         while self.epochs is None or epoch < self.epochs:
             resuming = epoch == start.epoch
-            found = False
-            for first, docs in self.windows(epoch, start.shard if resuming else 0, skipped, log_skips):
-                begin = start.doc if resuming and first == start.shard else 0
-                for d in range(begin, len(docs)):
-                    offset = start.token if resuming and first == start.shard and d == start.doc else 0
+            found = resuming and start != _Cursor(epoch, 0, 0, 0)  # documents before the cursor were read
+            for first, docs in self.windows(epoch, start.shard if resuming else 0, skips):
+                at_cursor = resuming and first == start.shard
+                for d in range(start.doc if at_cursor else 0, len(docs)):
+                    offset = start.token if at_cursor and d == start.doc else 0
                     found = True
                     yield docs[d][offset:], _Cursor(epoch, first, d, offset)
-            if not found and not (resuming and start != _Cursor(epoch, 0, 0, 0)):
+            if not found:
                 raise ShardError(f"rank {self.rank}: no readable document in epoch {epoch} "
-                                 f"({len(self.epoch_shards(epoch))} shards, {skipped[0]} skipped as corrupt)")
+                                 f"({len(self.epoch_shards(epoch))} shards, {skips.count} skipped as corrupt)")
             epoch += 1
 
     def batches(self, start: _Cursor, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[dict, tuple, int]]:
@@ -124,8 +134,8 @@ class _Stream:
         rows, length = self.batch_size, self.seq_len
         span = rows * length  # tokens a batch consumes; it also reads the next one, as the last label
         pending: deque[tuple[np.ndarray, _Cursor]] = deque()
-        available, k, skipped = 0, 0, [0]
-        for tokens, cursor in self.documents(start, skipped, log_skips=worker == 0):
+        available, k, skips = 0, 0, _Skips(log=worker == 0)
+        for tokens, cursor in self.documents(start, skips):
             if len(tokens) == 0:
                 continue
             pending.append((tokens, cursor))
@@ -146,7 +156,7 @@ class _Stream:
                 available -= span
                 if k % num_workers == worker:
                     pieces.append(pending[0][0][:1])
-                    yield self._assemble(np.concatenate(pieces), starts), tuple(pending[0][1]), skipped[0]
+                    yield self._assemble(np.concatenate(pieces), starts), tuple(pending[0][1]), skips.count
                 k += 1
 
     def _assemble(self, flat: np.ndarray, starts: list[int]) -> dict[str, torch.Tensor]:

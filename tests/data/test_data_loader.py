@@ -144,3 +144,19 @@ def test_bad_arguments_name_the_key(numbered_shards, key, value):
     args = dict(seq_len=8, batch_size=2, world_size=2) | {key: value}
     with pytest.raises(ValueError, match=key):
         TokenLoader(directory, **args)
+
+
+def test_resume_of_a_finite_stream_ends_where_the_uninterrupted_one_does(numbered_shards):
+    directory, _ = numbered_shards
+    settings = dict(seq_len=16, batch_size=2, epochs=2, shuffle_buffer=10)
+    whole = TokenLoader(directory, **settings)
+    reference = list(whole)
+    assert whole.epoch == 2
+    first = TokenLoader(directory, num_workers=2, **settings)
+    head = take(first, len(reference) // 2 + 3)
+    assert first.epoch == 1  # the stop lies in the second epoch
+    resumed = TokenLoader(directory, num_workers=1, **settings)
+    resumed.load_state_dict(first.state_dict())
+    got = head + list(resumed)
+    assert len(got) == len(reference) and resumed.epoch == 2
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, reference))
