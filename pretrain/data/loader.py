@@ -28,8 +28,9 @@ training; ranks merely roll over at different steps. With ``epochs=N`` the strea
 tokens that do not fill a batch are dropped; ranks may then yield different numbers of batches (their shards differ
 in size), so a distributed loop should stop all ranks together, e.g. on a step budget.
 
-A shard that turns out corrupt mid-run raises ``ShardError``, or with ``skip_corrupt`` is logged, counted in
-``skipped_shards`` and left out whole (the same way on every rerun). An epoch with no readable document is an error.
+A shard that turns out corrupt mid-run (a bad tar, or a sha256 other than its manifest's) raises ``ShardError``, or
+with ``skip_corrupt`` is logged, counted in ``skipped_shards`` and left out whole (the same way on every rerun).
+An epoch with no readable document is an error, not a hang.
 """
 import logging
 import os
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pretrain.data.shards import ShardError, expand_shards
+from pretrain.data.shards import ShardError, expand_shards, recorded_checksums
 from pretrain.data.text_shards import check_tokenizer, iter_shard_tokens
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class _Skips:
 class _Stream:
     """The logical stream of one rank; see the module docstring."""
     urls: tuple[str, ...]
+    checksums: dict[str, str]  # sha256 of the local shards, from their manifests
     rank: int
     world_size: int
     seed: int
@@ -91,7 +93,7 @@ class _Stream:
 
     def _read(self, url: str, skips: _Skips) -> list[np.ndarray]:
         try:
-            return list(iter_shard_tokens(url, self.tokenizer_sha256))
+            return list(iter_shard_tokens(url, self.checksums.get(url), self.tokenizer_sha256))
         except ShardError as err:
             if not self.skip_corrupt:
                 raise
@@ -206,8 +208,8 @@ class TokenLoader:
                              " every rank needs at least one")
         if tokenizer_sha256 is not None:
             check_tokenizer(urls, tokenizer_sha256)
-        self._stream = _Stream(tuple(urls), rank, world_size, seed, shuffle, shuffle_buffer, epochs, skip_corrupt,
-                               tokenizer_sha256, seq_len, batch_size)
+        self._stream = _Stream(tuple(urls), recorded_checksums(urls), rank, world_size, seed, shuffle, shuffle_buffer,
+                               epochs, skip_corrupt, tokenizer_sha256, seq_len, batch_size)
         self.num_workers = num_workers
         self._cursor = _Cursor(0, 0, 0, 0)
         self.skipped_shards = 0

@@ -7,7 +7,8 @@ final name only once it is complete.
 
 Reading takes a whole shard into memory and checks every header checksum and the end-of-archive block before
 handing out a sample, so a corrupt or truncated shard is an error naming the file (``ShardError``) and never a
-silently shortened shard, as ``tarfile``'s stream mode can give.
+silently shortened shard, as ``tarfile``'s stream mode can give. The manifest records each shard's sha256, and
+readers that know it (``recorded_checksums``) also catch damage inside the data.
 
 Shard patterns use webdataset's brace expansion (``DIR/shard-{000000..000099}.tar``; ``::`` joins patterns) and
 globs; a directory stands for the shards its ``manifest.json`` lists. A brace range may run past the last shard
@@ -16,6 +17,7 @@ globs; a directory stands for the shards its ``manifest.json`` lists. A brace ra
 """
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -104,6 +106,24 @@ def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
     return [u for u in urls if u.startswith("pipe:") or u in kept]
 
 
+def recorded_checksums(urls: list[str]) -> dict[str, str]:
+    """sha256 of each local shard as its directory's manifest records it (pipe: and unlisted shards have none)."""
+    listed: dict[str, dict] = {}
+    checksums = {}
+    for url in urls:
+        if url.startswith("pipe:"):
+            continue
+        directory, name = os.path.split(url)
+        if directory not in listed:
+            try:
+                listed[directory] = {f["name"]: f.get("sha256") for f in load_manifest(directory or ".")["files"]}
+            except (ShardError, KeyError, TypeError):
+                listed[directory] = {}
+        if listed[directory].get(name):
+            checksums[url] = listed[directory][name]
+    return checksums
+
+
 # ---------------------------------------------------------------- reading
 
 class _Pipe(io.RawIOBase):
@@ -169,11 +189,13 @@ def _long_name(kind: int, data: bytes) -> bytes | None:
     return None
 
 
-def iter_members(url: str) -> Iterator[tuple[str, bytes]]:
-    """(name, data) of each regular file in the tar (or .tar.gz) at ``url``, the whole of it read and checked first."""
+def iter_members(url: str, sha256: str | None = None) -> Iterator[tuple[str, bytes]]:
+    """(name, data) of each regular file in the tar (or .tar.gz) at ``url``, the whole of it read and checked first
+    (against ``sha256`` of the file, when given)."""
     with _open(url) as stream:
         try:
-            buf = (gzip.GzipFile(fileobj=stream) if url.endswith(".gz") else stream).read()
+            raw = stream.read()
+            buf = gzip.decompress(raw) if url.endswith(".gz") else raw
         except (OSError, EOFError, zlib.error) as err:
             raise ShardError(f"cannot read shard {url}: {err}") from None
     if not buf:
@@ -209,14 +231,16 @@ def iter_members(url: str) -> Iterator[tuple[str, bytes]]:
             long_name = None
         offset = end
     _check_headers(buf, headers, url)
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise ShardError(f"shard {url} is corrupt: its sha256 differs from the one its manifest records")
     for name, start, size in members:
         yield name, buf[start:start + size]
 
 
-def iter_samples(url: str) -> Iterator[dict]:
+def iter_samples(url: str, sha256: str | None = None) -> Iterator[dict]:
     """Webdataset samples: ``{"__key__": key, ext: bytes, ...}`` from consecutive members sharing a key."""
     sample: dict = {}
-    for name, data in iter_members(url):
+    for name, data in iter_members(url, sha256):
         folder, slash, base = name.rpartition("/")
         stem, dot, ext = base.partition(".")
         if not dot:
@@ -272,8 +296,10 @@ class ShardWriter:
 
     def _close_current(self) -> None:
         self._tar.close()
+        with open(self._path() + ".tmp", "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
         os.replace(self._path() + ".tmp", self._path())
-        self.files.append({"name": os.path.basename(self._path()), **self._tally})
+        self.files.append({"name": os.path.basename(self._path()), **self._tally, "sha256": digest})
         self._tar = None
 
 

@@ -8,7 +8,7 @@ Sample format (key = the document's index in the whole set, 10 digits):
 
 ``DIR/manifest.json`` holds ``shards`` (count), ``documents``, ``tokens`` (eos included), ``bytes``,
 ``tokenizer_sha256``, ``vocab_size``, ``eos_id``, ``token_dtype``, the input files and the document rule, and
-``files``: per shard its ``name``, ``samples``, ``tokens`` and ``bytes``.
+``files``: per shard its ``name``, ``samples``, ``tokens``, ``bytes`` and ``sha256``.
 
 Documents are cut into shards in input order, so the same inputs and tokenizer give byte-identical shards,
 whatever the number of tokenizing processes.
@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pretrain.data.shards import MANIFEST, ShardError, ShardWriter, expand_shards, fresh_output_dir, iter_samples, \
-    load_manifest, write_manifest
+    load_manifest, recorded_checksums, write_manifest
 from pretrain.data.text_files import expand_inputs, read_text_documents
 from pretrain.data.tokenizer import Tokenizer
 
@@ -52,8 +52,8 @@ def _tokens(sample: dict, url: str) -> np.ndarray:
                      "(not a text shard?)")
 
 
-def iter_shard_documents(url: str) -> Iterator[Document]:
-    for sample in iter_samples(url):
+def iter_shard_documents(url: str, sha256: str | None = None) -> Iterator[Document]:
+    for sample in iter_samples(url, sha256):
         try:
             num_bytes = int(json.loads(sample["json"])["num_bytes"])
         except (KeyError, ValueError, TypeError):
@@ -61,9 +61,10 @@ def iter_shard_documents(url: str) -> Iterator[Document]:
         yield Document(_tokens(sample, url), num_bytes, f"{url}#{sample['__key__']}")
 
 
-def iter_shard_tokens(url: str, tokenizer_sha256: str | None = None) -> Iterator[np.ndarray]:
+def iter_shard_tokens(url: str, sha256: str | None = None, tokenizer_sha256: str | None = None
+                      ) -> Iterator[np.ndarray]:
     """Just the token arrays, for training (which needs no byte counts); checks the tokenizer if given."""
-    for i, sample in enumerate(iter_samples(url)):
+    for i, sample in enumerate(iter_samples(url, sha256)):
         if i == 0 and tokenizer_sha256 is not None:
             try:
                 recorded = json.loads(sample["json"]).get("tokenizer_sha256")
@@ -97,8 +98,10 @@ def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
 
 def read_documents(pattern: str, *, allow_pipe: bool = False) -> Iterator[Document]:
     """Every document of the shards, in shard order, unshuffled (for evaluation)."""
-    for url in expand_shards(pattern, allow_pipe=allow_pipe):
-        yield from iter_shard_documents(url)
+    urls = expand_shards(pattern, allow_pipe=allow_pipe)
+    checksums = recorded_checksums(urls)
+    for url in urls:
+        yield from iter_shard_documents(url, checksums.get(url))
 
 
 # ---------------------------------------------------------------- writing

@@ -88,6 +88,8 @@ def corrupt(path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncated":
         del data[len(data) // 2:]
+    elif how == "payload":  # a token id in the first document
+        data[512 + 1] ^= 0x01
     else:  # flip a byte in the name of a member header in the middle (member names are KEY.EXT, KEY 10 digits)
         header = next(o for o in range(len(data) // 1024 * 512, len(data), 512)
                       if data[o:o + 10].isdigit() and data[o + 10] == ord("."))
@@ -95,7 +97,8 @@ def corrupt(path, how: str) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how,message", [("truncated", "truncated"), ("header", "checksum mismatch")])
+@pytest.mark.parametrize("how,message", [("truncated", "truncated"), ("header", "checksum mismatch"),
+                                         ("payload", "sha256 differs")])
 def test_corrupt_shard_is_an_error_naming_it_or_a_counted_skip(shards, caplog, how, message):
     directory, manifest = shards
     corrupt(directory / "shard-000003.tar", how)
