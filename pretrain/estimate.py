@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.overrides import TorchFunctionMode
 
+from .config import ConfigError
 from .models import build_lm
 
 BYTES_PER_PARAM = {  # weights, gradients, optimizer states (Adam), per parameter
@@ -37,6 +38,9 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
     """Parameters, FLOPs per token and the memory of one rank for the run ``cfg`` on ``world_size`` ranks."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if cfg.model.vocab_size <= 0:
+        raise ConfigError("model.vocab_size", f"0 and the tokenizer {cfg.data.tokenizer} does not exist; give the "
+                                              "size (model.vocab_size=32000) or an existing data.tokenizer")
     ds, train = cfg.deepspeed, cfg.train
     dtype = DTYPES[ds.precision]
     with torch.device("meta"):

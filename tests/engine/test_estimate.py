@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.attention import REGISTRY
-from pretrain.config import load_config
+from pretrain.config import ConfigError, load_config
 from pretrain.estimate import estimate, model_state_bytes
 from pretrain.models import build_lm
 
@@ -168,6 +168,8 @@ def test_aft_config_dry_runs_once_its_mixer_is_registered():
     assert 1.0e9 < result["parameters"] < 1.35e9
 
 
-def test_bad_world_size_is_refused():
+def test_bad_world_size_and_unknown_vocabulary_are_refused():
     with pytest.raises(ValueError, match="world_size"):
         estimate(tiny(), world_size=0)
+    with pytest.raises(ConfigError, match="model.vocab_size: 0 and the tokenizer absent.model does not exist"):
+        estimate(tiny("model.vocab_size=0"), world_size=1)
