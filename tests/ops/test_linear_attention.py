@@ -88,6 +88,25 @@ def test_matches_naive_fp64(impl, causal, normalize, shape, with_state):
     assert_close_all(grads, grads_ref, rtol=1e-9, atol=1e-9, what="grad (q, k, v, state...)")
 
 
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+@pytest.mark.parametrize("block_elements", [1, 400])
+def test_chunk_walks_blocks_of_chunks(monkeypatch, normalize, block_elements):
+    """Long sequences run in blocks of chunks carrying the state between blocks: shrink the blocks to one chunk
+    and to a few, so that state (and its gradient) crosses block edges inside and between documents."""
+    from pretrain.ops.linear_attention import chunk
+
+    monkeypatch.setattr(chunk, "BLOCK_ELEMENTS", block_elements)
+    cu_seqlens = torch.tensor([0, 1, 2, 11, 13, 40, 45, 61], dtype=torch.int32)
+    q, k, v = make_inputs(1, 61, seed=11)
+    state = make_state(7, 2, 3, 5, normalize, seed=12)
+    kwargs = dict(normalize=normalize, cu_seqlens=cu_seqlens, chunk_size=4)
+    got = run_with_grads(q, k, v, state, impl="chunk", **kwargs)
+    want = run_with_grads(q, k, v, state, impl="naive", **kwargs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-10)
+    assert_close_all(got[1], want[1], rtol=1e-10, atol=1e-10, what="final state")
+    assert_close_all(got[2], want[2], rtol=1e-9, atol=1e-9, what="grad")
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("chunk_size", [1, 2, 16, 64])
 def test_many_short_documents_any_chunk_size(seed, chunk_size):

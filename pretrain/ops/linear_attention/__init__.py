@@ -44,10 +44,10 @@ def linear_attention(
 
 def _triton_available() -> bool:
     try:
-        importlib.import_module(".triton", __name__)
+        module = importlib.import_module(".triton", __name__)
     except ImportError:
         return False
-    return True
+    return hasattr(module, "linear_attention_triton")
 
 
 def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):

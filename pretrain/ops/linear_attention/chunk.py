@@ -70,6 +70,11 @@ def global_core(q, k, v, initial, cu_seqlens, output_final):
     return repack(torch.einsum("nlhk,nhkv->nlhv", q, S), valid), S
 
 
+# On CPU, walk blocks of chunks whose C×C and d×dv temporaries hold about this many numbers: they stay in cache
+# and in the allocator's reused memory (fresh large buffers cost a page fault per 4 KiB). CUDA takes all at once.
+BLOCK_ELEMENTS = 1 << 20
+
+
 class _Chunks:
     """Where the documents of a packed stream fall in chunks of C tokens (the tail padding is document N)."""
 
@@ -83,34 +88,49 @@ class _Chunks:
         self.first_doc = int(first[0])
         self.next_doc = torch.cat([first[1:], first.new_full((1,), self.num_docs)])  # document at the next start
         self.carries = self.next_doc == first  # the document of this chunk's start runs into the next chunk
-        self.restarts = torch.cat([self.carries.new_ones(1), ~self.carries[:-1]])  # chunk starts a document
-        self.one_segment = bool(self.carries[:-1].all())  # one document runs through every chunk
+        self.carries_list = self.carries.tolist()
         self.last_chunk = (cu[1:] - 1) // size  # the chunk holding each document's last token
         self.reads_state = (doc == first[:, None])[:, None, :, None]  # token continues the chunk-start document
         self.feeds_next = (doc == self.next_doc[:, None])[:, None, :, None]  # token's document runs on
         causal = torch.ones(size, size, dtype=torch.bool, device=cu.device).tril()
         self.mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [NC, 1, C, C]
 
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, H, D]`` → ``[NC, H, C, D]``, zero-padded."""
-        x = F.pad(x, (0, 0, 0, 0, 0, self.count * self.size - self.total))
-        return x.view(self.count, self.size, *x.shape[1:]).transpose(1, 2).contiguous()
+    def blocks(self, heads: int, width: int) -> list[tuple[int, int]]:
+        """Consecutive ranges of chunks, small enough on CPU that their temporaries stay in cache-sized buffers."""
+        step = self.count
+        if self.mask.device.type == "cpu":
+            step = max(1, BLOCK_ELEMENTS // (heads * self.size * max(self.size, width)))
+        return [(lo, min(lo + step, self.count)) for lo in range(0, self.count, step)]
 
-    def join(self, x: torch.Tensor) -> torch.Tensor:
-        """``[NC, H, C, D]`` → ``[T, H, D]``."""
-        return x.transpose(1, 2).reshape(self.count * self.size, *x.shape[1:2], x.shape[-1])[: self.total]
+    def split(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Chunks ``lo … hi-1`` of ``x [T, H, D]`` as ``[hi - lo, H, C, D]``, zero-padded past the end."""
+        piece = x[lo * self.size: hi * self.size]
+        piece = F.pad(piece, (0, 0, 0, 0, 0, (hi - lo) * self.size - piece.shape[0]))
+        return piece.view(hi - lo, self.size, *x.shape[1:]).transpose(1, 2).contiguous()
+
+    def join(self, out: torch.Tensor, x: torch.Tensor, lo: int):
+        """Write chunks ``[n, H, C, D]`` starting at chunk ``lo`` back into the rows of ``out [T, H, D]``."""
+        rows = out[lo * self.size: (lo + x.shape[0]) * self.size]
+        rows.copy_(x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[-1])[: rows.shape[0]])
+
+    def ending_in(self, lo: int, hi: int):
+        """The documents whose last chunk lies in ``lo … hi-1``, and that chunk's index within the block."""
+        docs = ((self.last_chunk >= lo) & (self.last_chunk < hi)).nonzero().squeeze(1)
+        return docs, self.last_chunk[docs] - lo
 
 
-def _chunk_start_states(K, V, initial, chunks: _Chunks):
-    """``[NC, H, D, Dv]``: the state of each chunk's first document before the chunk (initial state included)."""
-    handed_on = (K * chunks.feeds_next).transpose(-1, -2) @ V  # what each chunk adds for the next one
-    if initial is None:
-        first = torch.zeros_like(handed_on[:1])
-    else:
-        first = initial[chunks.first_doc][None]
-        handed_on = torch.where(chunks.carries[:, None, None, None], handed_on, handed_on + initial[chunks.next_doc])
-    entering = torch.cat([first, handed_on[:-1]])  # what enters each chunk start
-    return _segment_cumsum(entering, chunks.restarts, chunks.one_segment)
+def _block_states(K, V, initial, entering, chunks: _Chunks, lo: int, hi: int):
+    """For chunks ``lo … hi-1``: the state of each chunk's first document before the chunk (``entering`` is the
+    one before chunk ``lo``), what each chunk hands on, and the state entering chunk ``hi``."""
+    handed_on = (K * chunks.feeds_next[lo:hi]).transpose(-1, -2) @ V
+    starts = ~chunks.carries[lo:hi]  # the next chunk begins with a new document: hand on its initial state
+    if initial is not None:
+        handed_on = handed_on + starts[:, None, None, None] * initial[chunks.next_doc[lo:hi]]
+    entries = torch.cat([entering[None], handed_on[:-1]])
+    restarts = torch.cat([starts.new_ones(1), starts[:-1]])
+    states = _segment_cumsum(entries, restarts, one_segment=all(chunks.carries_list[lo:hi - 1]))
+    after = states[-1] + handed_on[-1] if chunks.carries_list[hi - 1] else handed_on[-1]
+    return states, after
 
 
 def _segment_cumsum(x: torch.Tensor, restart: torch.Tensor, one_segment: bool) -> torch.Tensor:
@@ -129,43 +149,73 @@ def _segment_cumsum(x: torch.Tensor, restart: torch.Tensor, one_segment: bool) -
 
 
 class _ChunkScan(torch.autograd.Function):
-    """``o_t = q_tᵀ S_t`` by chunks; also the chunk-start state of each document's last chunk."""
+    """``o_t = q_tᵀ S_t`` by chunks; also the chunk-start state of each document's last chunk.
+
+    Both directions walk blocks of chunks in order, carrying one d×dv state between blocks.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, initial, chunks: _Chunks):
-        Q, K, V = (chunks.split(x) for x in (q, k, v))
-        states = _chunk_start_states(K, V, initial, chunks)
-        o = (Q @ K.transpose(-1, -2)).mul_(chunks.mask) @ V
-        o += (Q @ states).mul_(chunks.reads_state)
+        heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+        o = v.new_empty(chunks.total, heads, dv)
+        at_last_chunk = q.new_zeros(chunks.num_docs, heads, dk, dv)
+        entering = q.new_zeros(heads, dk, dv) if initial is None else initial[chunks.first_doc]
+        for lo, hi in chunks.blocks(heads, max(dk, dv)):
+            Q, K, V = (chunks.split(x, lo, hi) for x in (q, k, v))
+            states, entering = _block_states(K, V, initial, entering, chunks, lo, hi)
+            o_block = (Q @ K.transpose(-1, -2)).mul_(chunks.mask[lo:hi]) @ V
+            o_block += (Q @ states).mul_(chunks.reads_state[lo:hi])
+            chunks.join(o, o_block, lo)
+            docs, at = chunks.ending_in(lo, hi)
+            at_last_chunk[docs] = states[at]
         ctx.save_for_backward(q, k, v, initial)
         ctx.chunks = chunks
         ctx.set_materialize_grads(False)
-        return chunks.join(o), states[chunks.last_chunk]
+        return o, at_last_chunk
 
     @staticmethod
     def backward(ctx, d_o, d_at_last_chunk):
         q, k, v, initial = ctx.saved_tensors
         chunks: _Chunks = ctx.chunks
-        Q, K, V = (chunks.split(x) for x in (q, k, v))
-        dO = chunks.split(d_o) if d_o is not None else torch.zeros_like(V)
-        states = _chunk_start_states(K, V, initial, chunks)  # recomputed, never stored
+        heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
+        blocks = chunks.blocks(heads, max(dk, dv))
+        d_o = torch.zeros_like(v) if d_o is None else d_o
 
-        d_states = (Q * chunks.reads_state).transpose(-1, -2) @ dO
-        if d_at_last_chunk is not None:
-            d_states.index_add_(0, chunks.last_chunk, d_at_last_chunk)
-        # reverse scan: the gradient of the state entering chunk c sums chunks c … to where its document stops
-        d_entering = _segment_cumsum(d_states.flip(0), ~chunks.carries.flip(0), chunks.one_segment).flip(0)
-        d_handed_on = torch.cat([d_entering[1:], torch.zeros_like(d_entering[:1])])  # enters chunk c + 1
+        # forward sweep: the state entering each block, recomputed (one d×dv state per block, never stored)
+        entering = [q.new_zeros(heads, dk, dv) if initial is None else initial[chunks.first_doc]]
+        for lo, hi in blocks[:-1]:
+            entering.append(_block_states(chunks.split(k, lo, hi), chunks.split(v, lo, hi), initial, entering[-1],
+                                          chunks, lo, hi)[1])
 
-        d_weights = (dO @ V.transpose(-1, -2)).mul_(chunks.mask)
-        weights = (Q @ K.transpose(-1, -2)).mul_(chunks.mask)
-        dQ = (dO @ states.transpose(-1, -2)).mul_(chunks.reads_state).add_(d_weights @ K)
-        dK = (V @ d_handed_on.transpose(-1, -2)).mul_(chunks.feeds_next).add_(d_weights.transpose(-1, -2) @ Q)
-        dV = (K @ d_handed_on).mul_(chunks.feeds_next).add_(weights.transpose(-1, -2) @ dO)
-        d_initial = None
-        if ctx.needs_input_grad[3]:
-            d_initial = torch.zeros_like(initial)
-            d_initial[chunks.first_doc] += d_entering[0]
-            starts_doc = ~chunks.carries
-            d_initial.index_add_(0, chunks.next_doc[starts_doc], d_handed_on[starts_doc])
-        return chunks.join(dQ), chunks.join(dK), chunks.join(dV), d_initial, None
+        # reverse sweep: the gradient of the state entering chunk c sums chunks c … to where its document stops
+        dq, dk_, dv_ = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        d_initial = torch.zeros_like(initial) if ctx.needs_input_grad[3] else None
+        d_after = q.new_zeros(heads, dk, dv)  # gradient of the state entering the chunk after the block
+        for (lo, hi), before in zip(reversed(blocks), reversed(entering)):
+            Q, K, V, dO = (chunks.split(x, lo, hi) for x in (q, k, v, d_o))
+            states, _ = _block_states(K, V, initial, before, chunks, lo, hi)
+            d_states = (Q * chunks.reads_state[lo:hi]).transpose(-1, -2) @ dO
+            if d_at_last_chunk is not None:
+                docs, at = chunks.ending_in(lo, hi)
+                d_states.index_add_(0, at, d_at_last_chunk[docs])
+            if chunks.carries_list[hi - 1]:
+                d_states[-1] += d_after
+            restarts = ~chunks.carries[lo:hi].flip(0)
+            d_entries = _segment_cumsum(d_states.flip(0), restarts, all(chunks.carries_list[lo:hi - 1])).flip(0)
+            d_handed_on = torch.cat([d_entries[1:], d_after[None]])
+            if d_initial is not None:
+                starts = ~chunks.carries[lo:hi]
+                d_initial.index_add_(0, chunks.next_doc[lo:hi][starts], d_handed_on[starts])
+            d_after = d_entries[0]
+
+            mask = chunks.mask[lo:hi]
+            d_weights = (dO @ V.transpose(-1, -2)).mul_(mask)
+            weights = (Q @ K.transpose(-1, -2)).mul_(mask)
+            feeds_next = chunks.feeds_next[lo:hi]
+            chunks.join(dq, (dO @ states.transpose(-1, -2)).mul_(chunks.reads_state[lo:hi]).add_(d_weights @ K), lo)
+            chunks.join(dk_, (V @ d_handed_on.transpose(-1, -2)).mul_(feeds_next).add_(d_weights.transpose(-1, -2) @ Q),
+                        lo)
+            chunks.join(dv_, (K @ d_handed_on).mul_(feeds_next).add_(weights.transpose(-1, -2) @ dO), lo)
+        if d_initial is not None:
+            d_initial[chunks.first_doc] += d_after
+        return dq, dk_, dv_, d_initial, None
