@@ -7,6 +7,7 @@ DeepSpeed.
 """
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,10 +121,14 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
-CHOICES = {"task": ("lm",), "schedule.name": ("cosine", "wsd", "constant"), "deepspeed.precision": ("fp32", "bf16", "fp16")}
+CHOICES = {
+    "task": ("lm",),
+    "schedule.name": ("cosine", "wsd", "constant"),
+    "deepspeed.precision": ("fp32", "bf16", "fp16"),
+}
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> DictConfig:
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> DictConfig:
     """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides."""
     cfg = OmegaConf.structured(Config)
     if path is not None:
@@ -148,8 +153,13 @@ def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:
     """Write the resolved config as YAML, atomically: a crash never leaves a half-written file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = OmegaConf.to_yaml(cfg, resolve=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        tmp.write(OmegaConf.to_yaml(cfg, resolve=True))
+        try:
+            tmp.write(text)
+        except BaseException:
+            os.unlink(tmp.name)
+            raise
     os.replace(tmp.name, path)
 
 
@@ -232,7 +242,8 @@ def _validate_mixers(model: DictConfig) -> None:
     from .models.lm import mixer_kwargs
 
     registered = ", ".join(sorted(REGISTRY)) or "none"
-    named = [("model.mixer", model.mixer)] + [(f"model.layer_pattern[{i}]", n) for i, n in enumerate(model.layer_pattern)]
+    named = [("model.mixer", model.mixer)]
+    named += [(f"model.layer_pattern[{i}]", name) for i, name in enumerate(model.layer_pattern)]
     for key, name in named:
         if name not in REGISTRY:
             raise ConfigError(key, f"mixer {name!r} is not registered (yet); registered: {registered}")
@@ -240,14 +251,15 @@ def _validate_mixers(model: DictConfig) -> None:
             raise ConfigError(key, f"mixer {name!r} has no causal form, and a causal LM needs one")
     for name, options in model.mixer_options.items():
         if name not in REGISTRY:
-            raise ConfigError(f"model.mixer_options.{name}", f"no mixer {name!r} is registered; registered: {registered}")
+            raise ConfigError(f"model.mixer_options.{name}", f"no mixer {name!r}; registered: {registered}")
         known = mixer_options(name)
         for option, value in options.items():
             key = f"model.mixer_options.{name}.{option}"
             if option not in known:
                 raise ConfigError(key, f"unknown option; {name!r} takes {sorted(known)}")
             if not _same_type(value, known[option]):
-                raise ConfigError(key, f"{value!r} should be a {type(known[option]).__name__} like the default {known[option]!r}")
+                default = known[option]
+                raise ConfigError(key, f"{value!r} should be a {type(default).__name__} like the default {default!r}")
     for name in dict.fromkeys(list(model.layer_pattern) or [model.mixer]):
         try:
             with torch.device("meta"):

@@ -13,8 +13,9 @@ views counted once); blocks of the same mixer save the same bytes, so one period
 A mixer whose forward needs data (``.item()``, ``nonzero`` on packed-document offsets) cannot run on meta; its
 share is then taken as 5·dim values per token (input, q, k, v, output) and the result names it.
 On the meta device SDPA would take its math path and store the T×T weights; the GPU kernels (flash-attn, SDPA's
-flash) keep only q, k, v, out and the log-sum-exp, so the measurement routes SDPA to that kernel's form. With activation checkpointing each block keeps only its input, plus one block's activations
-while it is recomputed. Not counted: temporary buffers (DeepSpeed's communication buckets, ZeRO-3 gathers,
+flash) keep only q, k, v, out and the log-sum-exp, so the measurement routes SDPA to that kernel's form.
+With activation checkpointing each block keeps only its input, plus one block's activations while it is
+recomputed. Not counted: temporary buffers (DeepSpeed's communication buckets, ZeRO-3 gathers,
 allocator fragmentation), so treat the total as a floor with ~10–20 % headroom to plan for.
 """
 import torch

@@ -10,7 +10,7 @@ from .precision import upcast
 
 
 def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
-    """``x`` ``[B, T, H, D]`` (D even) rotated by ``position_ids`` ``[B, T]``; computed in ≥ fp32, returned in x's dtype."""
+    """``x`` ``[B, T, H, D]`` (D even) rotated by ``position_ids`` ``[B, T]``; computed in ≥ fp32, x's dtype out."""
     head_dim = x.shape[-1]
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dimension; got {head_dim}")

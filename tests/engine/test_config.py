@@ -178,7 +178,8 @@ def test_a_file_that_is_not_a_tokenizer_names_the_key(tmp_path):
 
 
 def test_saved_config_reloads_identically_and_atomically(tmp_path, tokenizer):
-    cfg = load_config(CONFIGS / "tiny_lm.yaml", [f"data.tokenizer={tokenizer}", "model.dim=64", "run.dir=${model.mixer}"])
+    overrides = [f"data.tokenizer={tokenizer}", "model.dim=64", "run.dir=${model.mixer}"]
+    cfg = load_config(CONFIGS / "tiny_lm.yaml", overrides)
     path = tmp_path / "run" / "config.yaml"
     save_config(cfg, path)
     assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]  # no temporary file left behind

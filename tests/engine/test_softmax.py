@@ -81,7 +81,8 @@ def test_rope_is_a_rotation_by_position_in_the_complex_plane():
     pos = torch.randint(0, 1000, (2, 6))
     theta = 500.0
     freqs = theta ** -(torch.arange(4, dtype=torch.float64) * 2 / 8)
-    as_complex = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones((), dtype=torch.float64), pos[..., None, None] * freqs)
+    rotation = torch.polar(torch.ones((), dtype=torch.float64), pos[..., None, None] * freqs)
+    as_complex = torch.complex(x[..., :4], x[..., 4:]) * rotation
     expected = torch.cat([as_complex.real, as_complex.imag], dim=-1)
     torch.testing.assert_close(apply_rope(x, pos, theta), expected)
 
