@@ -194,8 +194,9 @@ class TokenLoader:
                  seed: int = 0, num_workers: int = 0, shuffle: bool = True, shuffle_buffer: int = 1000,
                  epochs: int | None = None, allow_pipe: bool = False, skip_corrupt: bool = False,
                  tokenizer_sha256: str | None = None):
-        for name, value, least in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("world_size", world_size, 1),
-                                   ("num_workers", num_workers, 0), ("shuffle_buffer", shuffle_buffer, 0)):
+        for name, value, least in (("seq_len", seq_len, 1), ("batch_size", batch_size, 1),
+                                   ("world_size", world_size, 1), ("num_workers", num_workers, 0),
+                                   ("shuffle_buffer", shuffle_buffer, 0)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name}={value!r}: expected an integer >= {least}")
         if not 0 <= rank < world_size:

@@ -12,8 +12,8 @@ readers that know it (``recorded_checksums``) also catch damage inside the data.
 
 Shard patterns use webdataset's brace expansion (``DIR/shard-{000000..000099}.tar``; ``::`` joins patterns) and
 globs; a directory stands for the shards its ``manifest.json`` lists. A brace range may run past the last shard
-(files missing after the last existing one are ignored), but a gap is an error. ``pipe:CMD`` URLs run a shell command and are refused unless
-``allow_pipe`` is set.
+(files missing after the last existing one are ignored), but a gap is an error. ``pipe:CMD`` URLs run a shell
+command and are refused unless ``allow_pipe`` is set.
 """
 import glob
 import gzip

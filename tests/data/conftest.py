@@ -51,8 +51,8 @@ def numbered_shards(tmp_path):
     directory.mkdir()
     writer = ShardWriter(str(directory), samples_per_shard=7)
     for i, tokens in enumerate(docs):
-        writer.add(f"{i:010d}", {"tokens.u32": tokens.astype("<u4").tobytes(), "json": b'{"num_bytes":%d}' % len(tokens)},
-                   tokens=len(tokens), bytes=len(tokens))
+        members = {"tokens.u32": tokens.astype("<u4").tobytes(), "json": b'{"num_bytes":%d}' % len(tokens)}
+        writer.add(f"{i:010d}", members, tokens=len(tokens), bytes=len(tokens))
     files = writer.close()
     write_manifest(str(directory), {"tokenizer_sha256": "0" * 64, "files": files, "shards": len(files)})
     return str(directory), docs

@@ -144,7 +144,8 @@ def test_pipe_urls_only_when_allowed(shards):
     loader = TokenLoader(url, seq_len=8, batch_size=2, allow_pipe=True, epochs=1, tokenizer_sha256=sha256)
     assert len(list(loader)) > 0
     loader = TokenLoader(url, seq_len=8, batch_size=2, allow_pipe=True, tokenizer_sha256="f" * 64)
-    with pytest.raises(ShardError, match=r"pipe:cat .*shard-00000[01]\.tar was written with tokenizer sha256 " + sha256):
+    refusal = r"pipe:cat .*shard-00000[01]\.tar was written with tokenizer sha256 " + sha256
+    with pytest.raises(ShardError, match=refusal):
         next(iter(loader))
     with pytest.raises(ShardError, match="exited with status"):
         list(read_documents(f"pipe:{sys.executable} -c 'import sys; sys.exit(3)'", allow_pipe=True))

@@ -92,8 +92,8 @@ def test_txt_document_rules(tmp_path):
     assert articles[0].endswith(" = Played , W = \n Wins , L ")  # a table line is no heading
     assert articles[1].startswith(" = Tower Building") and articles[1].endswith("museum . ")
     paragraphs = list(read_text_documents([str(path)]))
-    assert len(paragraphs) == 6 and "= Played" in paragraphs[3] and paragraphs[-1] == " The Tower Building is a structure . \n" \
-        " = = = Later use = = = \n It served as a museum . "
+    assert len(paragraphs) == 6 and "= Played" in paragraphs[3]
+    assert paragraphs[-1] == " The Tower Building is a structure . \n = = = Later use = = = \n It served as a museum . "
     whole = list(read_text_documents([str(path)], txt_docs="file"))
     assert whole == [WIKITEXT[len(" \n"):-1]]
     with pytest.raises(ValueError, match="txt_docs"):
