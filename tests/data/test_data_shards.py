@@ -171,3 +171,12 @@ def test_tar_reader_agrees_with_tarfile(tmp_path, tar_format, compression):
     with tarfile.open(path) as tar:
         expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
     assert list(iter_members(str(path))) == expected
+
+
+@pytest.mark.parametrize("pattern", ["d/shard-{000000..000123}.tar", "s{1..12}.t", "s{9..10}", "x{05..3}y", "s{0..0}",
+                                     "p{7..007}", "{0..010}", "q{10..0}", "a{1,2}{3..4}", "plain.tar", "b{x,y}.tar"])
+def test_fast_brace_expansion_agrees_with_braceexpand(pattern):
+    from braceexpand import braceexpand
+
+    from pretrain.data.shards import _brace_expand
+    assert _brace_expand(pattern) == list(braceexpand(pattern))
