@@ -134,6 +134,11 @@ def _jsonl_documents(lines: Iterable[str], path: str) -> Iterator[str]:
             raise ValueError(f"{path}: line {number}: not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise ValueError(f"{path}: line {number}: expected an object with a string field 'text'")
+        try:
+            record["text"].encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON escapes can spell lone surrogates
+            raise ValueError(f"{path}: line {number}: 'text' is not valid Unicode ({err.reason} at "
+                             f"character {err.start})") from None
         if record["text"]:
             yield record["text"]
 

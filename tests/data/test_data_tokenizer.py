@@ -113,6 +113,9 @@ def test_jsonl_and_gzip_inputs(tmp_path):
     (tmp_path / "e.jsonl").write_text('{"text": "ok"}\n{"txt": "typo"}\n')
     with pytest.raises(ValueError, match=r"e\.jsonl: line 2: .*'text'"):
         list(read_text_documents([str(tmp_path / "e.jsonl")]))
+    (tmp_path / "s.jsonl").write_text('{"text": "ok"}\n{"text": "half a pair \\ud83d here"}\n')
+    with pytest.raises(ValueError, match=r"s\.jsonl: line 2: 'text' is not valid Unicode"):
+        list(read_text_documents([str(tmp_path / "s.jsonl")]))
 
 
 def test_wikitext_2_has_the_published_article_counts(shared_data):
