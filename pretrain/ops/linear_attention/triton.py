@@ -41,12 +41,33 @@ def _sequence_bounds(cu_seqlens, i_n, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """a @ b with fp32 accumulation. The CPU interpreter multiplies bf16/fp16 wrongly, so there it upcasts the
-    (already rounded) operands: the same products, exact in fp32."""
+def _mm(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b in fp32 (acc may be None). The CPU interpreter multiplies bf16/fp16 wrongly, so there it
+    upcasts the (already rounded) operands: the same products, exact in fp32."""
     if PRECISION == "interpret":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile(base, length, WIDTH: tl.constexpr, row, col, H: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
+    """Pointers and mask of rows [row, row + BT) × columns [col, col + BW) of one head of one sequence: a
+    [length, WIDTH] slice, rows H·WIDTH apart, of a [tokens, H, WIDTH] tensor whose first row starts at ``base``."""
+    r = row + tl.arange(0, BT)
+    c = col + tl.arange(0, BW)
+    return base + r[:, None] * (H * WIDTH) + c[None, :], (r < length)[:, None] & (c < WIDTH)[None, :]
+
+
+@triton.jit
+def _load(base, length, WIDTH: tl.constexpr, row, col, H: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
+    ptrs, mask = _tile(base, length, WIDTH, row, col, H, BT, BW)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store(base, value, length, WIDTH: tl.constexpr, row, col, H: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
+    ptrs, mask = _tile(base, length, WIDTH, row, col, H, BT, BW)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -61,6 +82,10 @@ def _forward_kernel(
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
+    length = (eos - bos).to(tl.int32)
+    q, k = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK
+    v, o = v + (bos * H + i_h) * DV, o + (bos * H + i_h) * DV
+    aux += bos * H + i_h
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
@@ -79,46 +104,45 @@ def _forward_kernel(
         if NORMALIZE == 2:
             u += tl.load(u_in + i_nh * DV + cv, mask=mv, other=0.0)
             n += tl.load(n_in + i_nh)
-    causal = rows[:, None] >= rows[None, :]
 
-    for start in range(bos, eos, BT):
-        t = start + rows
-        mt = t < eos
-        tok = t * H + i_h
-        q_c = tl.load(q + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        if STORE_O:
-            num = _mm(q_c, S.to(dtype), PRECISION)
-            a = tl.sum(q_c.to(tl.float32) * z[None, :], 1)
-            count = n + tl.zeros([BT], dtype=tl.float32)
-            u_c = u[None, :] + tl.zeros([BT, BV], dtype=tl.float32)
+    for start in range(0, length, BT):
+        mt = start + rows < length
+        q_c = _load(q, length, DK, start, 0, H, BT, BK)
         if INTRA or UPDATE:
-            k_c = tl.load(k + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-            v_c = tl.load(v + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        if INTRA:
-            A = _mm(q_c, tl.trans(k_c), PRECISION)
-            A = tl.where(causal, A, 0.0)
-            num += _mm(A.to(dtype), v_c, PRECISION)
-            a += tl.sum(A, 1)
-            count += (rows + 1).to(tl.float32)
-            u_c += tl.cumsum(v_c.to(tl.float32), 0)
+            k_c = _load(k, length, DK, start, 0, H, BT, BK)
+            v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
         if STORE_O:
+            num = _mm(q_c, S.to(dtype), None, PRECISION)
+            if NORMALIZE > 0:
+                a = tl.sum(q_c.to(tl.float32) * z[None, :], 1)
+            if NORMALIZE == 2:
+                count = n + tl.zeros([BT], dtype=tl.float32)
+                u_c = u[None, :] + tl.zeros([BT, BV], dtype=tl.float32)
+            if INTRA:
+                A = tl.where(rows[:, None] >= rows[None, :], _mm(q_c, tl.trans(k_c), None, PRECISION), 0.0)
+                num = _mm(A.to(dtype), v_c, num, PRECISION)
+                if NORMALIZE > 0:
+                    a += tl.sum(A, 1)
+                if NORMALIZE == 2:
+                    count += (rows + 1).to(tl.float32)
+                    u_c += tl.cumsum(v_c.to(tl.float32), 0)
             if NORMALIZE == 0:
                 out = num
             elif NORMALIZE == 1:
                 den = a + eps
                 out = num / den[:, None]
-                if i_v == 0:
-                    tl.store(aux + tok, den, mask=mt)
+                tl.store(aux + (start + rows) * H, den, mask=mt & (tl.zeros([BT], tl.int32) + i_v == 0))
             else:
                 out = (num + (1.0 - a / count)[:, None] * u_c) / count[:, None]
-                if i_v == 0:
-                    tl.store(aux + tok, a, mask=mt)
-            tl.store(o + tok[:, None] * DV + cv[None, :], out.to(dtype), mask=mt[:, None] & mv[None, :])
+                tl.store(aux + (start + rows) * H, a, mask=mt & (tl.zeros([BT], tl.int32) + i_v == 0))
+            _store(o, out, length, DV, start, i_v * BV, H, BT, BV)
         if UPDATE:
-            S += _mm(tl.trans(k_c), v_c, PRECISION)
-            z += tl.sum(k_c.to(tl.float32), 0)
-            u += tl.sum(v_c.to(tl.float32), 0)
-            n += tl.sum(mt.to(tl.float32), 0)
+            S = _mm(tl.trans(k_c), v_c, S, PRECISION)
+            if NORMALIZE > 0:
+                z += tl.sum(k_c.to(tl.float32), 0)
+            if NORMALIZE == 2:
+                u += tl.sum(v_c.to(tl.float32), 0)
+                n += tl.sum(mt.to(tl.float32), 0)
 
     if STORE_FINAL:
         tl.store(s_out + state_offs, S, mask=mk[:, None] & mv[None, :])
@@ -136,16 +160,19 @@ def _backward_dq_kernel(
     INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_INITIAL: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """This value block's share of dq = tril(g' vᵀ) k + g' Sᵀ, plus δ ⊙ (cumsum k + z) in block 0."""
+    """This value block's share of dq = tril(g' vᵀ + δ) k + g' Sᵀ + δ zᵀ (δ and z in block 0 only)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
+    length = (eos - bos).to(tl.int32)
+    k, dq = k + (bos * H + i_h) * DK, dq + i_v.to(tl.int64) * block_stride + (bos * H + i_h) * DK
+    v, g = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV
+    gscale, delta = gscale + bos * H + i_h, delta + bos * H + i_h
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < DK, cv < DV
     dtype = k.dtype.element_ty
-    dq += i_v.to(tl.int64) * block_stride
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
@@ -153,33 +180,30 @@ def _backward_dq_kernel(
         S += tl.load(s_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)
         if HAS_DELTA:
-            z += tl.load(z_in + i_nh * DK + ck, mask=mk, other=0.0)
-    causal = rows[:, None] >= rows[None, :]
+            z += tl.load(z_in + i_nh * DK + ck, mask=mk & (tl.zeros([BK], tl.int32) + i_v == 0), other=0.0)
 
-    for start in range(bos, eos, BT):
-        t = start + rows
-        mt = t < eos
-        tok = t * H + i_h
-        g_c = tl.load(g + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+    for start in range(0, length, BT):
+        mt = start + rows < length
+        g_c = _load(g, length, DV, start, i_v * BV, H, BT, BV)
         if HAS_SCALE:
-            g_c = (g_c.to(tl.float32) * tl.load(gscale + tok, mask=mt, other=0.0)[:, None]).to(dtype)
-        dq_c = _mm(g_c, tl.trans(S.to(dtype)), PRECISION)
-        if INTRA:
-            k_c = tl.load(k + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-            v_c = tl.load(v + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-            dA = tl.where(causal, _mm(g_c, tl.trans(v_c), PRECISION), 0.0)
-            dq_c += _mm(dA.to(dtype), k_c, PRECISION)
+            g_c = (g_c.to(tl.float32) * tl.load(gscale + (start + rows) * H, mask=mt, other=0.0)[:, None]).to(dtype)
+        dq_c = _mm(g_c, tl.trans(S.to(dtype)), None, PRECISION)
         if HAS_DELTA:
-            if i_v == 0:
-                d_c = tl.load(delta + tok, mask=mt, other=0.0)
-                if INTRA:
-                    dq_c += d_c[:, None] * (tl.cumsum(k_c.to(tl.float32), 0) + z[None, :])
-                else:
-                    dq_c += d_c[:, None] * z[None, :]
-        tl.store(dq + tok[:, None] * DK + ck[None, :], dq_c.to(dq.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+            d_c = tl.load(delta + (start + rows) * H, mask=mt & (tl.zeros([BT], tl.int32) + i_v == 0), other=0.0)
+            dq_c += d_c[:, None] * z[None, :]
         if INTRA:
-            S += _mm(tl.trans(k_c), v_c, PRECISION)
-            z += tl.sum(k_c.to(tl.float32), 0)
+            k_c = _load(k, length, DK, start, 0, H, BT, BK)
+            v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
+            dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
+            if HAS_DELTA:
+                dA += d_c[:, None]  # a = q·z is the output of a value that is 1: its score gradient is δ
+            dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
+            dq_c = _mm(dA.to(dtype), k_c, dq_c, PRECISION)
+        _store(dq, dq_c, length, DK, start, 0, H, BT, BK)
+        if INTRA:
+            S = _mm(tl.trans(k_c), v_c, S, PRECISION)
+            if HAS_DELTA:
+                z += tl.sum(k_c.to(tl.float32), 0)
 
 
 @triton.jit
@@ -191,18 +215,22 @@ def _backward_dkdv_kernel(
     HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr, STORE_DS: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Reverse sweep: dv = tril(q kᵀ)ᵀ g' + k dS, dk (this block's share) = tril(g' vᵀ)ᵀ q + v dSᵀ (+ δ terms),
-    with dS = Σ_later qᵀ g' starting from the final state's gradient; writes dS at the start (the initial
-    state's gradient)."""
+    """Reverse sweep: dv = tril(q kᵀ)ᵀ g' + k dS and this value block's share of dk = tril(g' vᵀ + δ)ᵀ q + v dSᵀ
+    + dz, with dS = Σ_later qᵀ g', dz = Σ_later δ q starting from the final state's gradient; writes dS, dz as
+    they stand before the first token (the initial state's gradient)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
+    length = (eos - bos).to(tl.int32)
+    q, k = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK
+    dk = dk + i_v.to(tl.int64) * block_stride + (bos * H + i_h) * DK
+    v, g, dv = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV, dv + (bos * H + i_h) * DV
+    gscale, delta = gscale + bos * H + i_h, delta + bos * H + i_h
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     mk, mv = ck < DK, cv < DV
     dtype = q.dtype.element_ty
-    dk += i_v.to(tl.int64) * block_stride
 
     state_offs = i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
@@ -210,48 +238,45 @@ def _backward_dkdv_kernel(
     if HAS_FINAL_GRAD:
         dS += tl.load(ds_in + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
         if HAS_DELTA:
-            dz += tl.load(dz_in + i_nh * DK + ck, mask=mk, other=0.0)
-    causal = rows[:, None] >= rows[None, :]
+            dz += tl.load(dz_in + i_nh * DK + ck, mask=mk & (tl.zeros([BK], tl.int32) + i_v == 0), other=0.0)
 
-    num_chunks = tl.cdiv(eos - bos, BT)
+    num_chunks = tl.cdiv(length, BT)
     for i in range(num_chunks):
-        t = bos + (num_chunks - 1 - i) * BT + rows
-        mt = t < eos
-        tok = t * H + i_h
-        q_c = tl.load(q + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-        g_c = tl.load(g + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
+        start = (num_chunks - 1 - i) * BT
+        mt = start + rows < length
+        q_c = _load(q, length, DK, start, 0, H, BT, BK)
+        g_c = _load(g, length, DV, start, i_v * BV, H, BT, BV)
         if HAS_SCALE:
-            g_c = (g_c.to(tl.float32) * tl.load(gscale + tok, mask=mt, other=0.0)[:, None]).to(dtype)
+            g_c = (g_c.to(tl.float32) * tl.load(gscale + (start + rows) * H, mask=mt, other=0.0)[:, None]).to(dtype)
         if HAS_DELTA:
-            qd_c = q_c.to(tl.float32) * tl.load(delta + tok, mask=mt, other=0.0)[:, None]
+            d_c = tl.load(delta + (start + rows) * H, mask=mt & (tl.zeros([BT], tl.int32) + i_v == 0), other=0.0)
         if STORE_DKDV:
-            k_c = tl.load(k + tok[:, None] * DK + ck[None, :], mask=mt[:, None] & mk[None, :], other=0.0)
-            v_c = tl.load(v + tok[:, None] * DV + cv[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-            dv_c = _mm(k_c, dS.to(dtype), PRECISION)
-            dk_c = _mm(v_c, tl.trans(dS.to(dtype)), PRECISION)
+            k_c = _load(k, length, DK, start, 0, H, BT, BK)
+            v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
+            dv_c = _mm(k_c, dS.to(dtype), None, PRECISION)
+            dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION)
+            if HAS_DELTA:
+                dk_c += dz[None, :]
             if INTRA:
-                A = tl.where(causal, _mm(q_c, tl.trans(k_c), PRECISION), 0.0)
-                dA = tl.where(causal, _mm(g_c, tl.trans(v_c), PRECISION), 0.0)
-                dv_c += _mm(tl.trans(A.to(dtype)), g_c, PRECISION)
-                dk_c += _mm(tl.trans(dA.to(dtype)), q_c, PRECISION)
-            if HAS_DELTA:
-                if i_v == 0:
-                    if INTRA:
-                        dk_c += tl.cumsum(qd_c, 0, reverse=True) + dz[None, :]
-                    else:
-                        dk_c += dz[None, :]
-            tl.store(dv + tok[:, None] * DV + cv[None, :], dv_c.to(dv.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-            tl.store(dk + tok[:, None] * DK + ck[None, :], dk_c.to(dk.dtype.element_ty), mask=mt[:, None] & mk[None, :])
+                causal = rows[:, None] >= rows[None, :]
+                A = tl.where(causal, _mm(q_c, tl.trans(k_c), None, PRECISION), 0.0)
+                dv_c = _mm(tl.trans(A.to(dtype)), g_c, dv_c, PRECISION)
+                dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
+                if HAS_DELTA:
+                    dA += d_c[:, None]
+                dA = tl.where(causal, dA, 0.0)
+                dk_c = _mm(tl.trans(dA.to(dtype)), q_c, dk_c, PRECISION)
+            _store(dv, dv_c, length, DV, start, i_v * BV, H, BT, BV)
+            _store(dk, dk_c, length, DK, start, 0, H, BT, BK)
         if UPDATE:
-            dS += _mm(tl.trans(q_c), g_c, PRECISION)
+            dS = _mm(tl.trans(q_c), g_c, dS, PRECISION)
             if HAS_DELTA:
-                dz += tl.sum(qd_c, 0)
+                dz += tl.sum(q_c.to(tl.float32) * d_c[:, None], 0)
 
     if STORE_DS:
         tl.store(ds_out + state_offs, dS, mask=mk[:, None] & mv[None, :])
         if HAS_DELTA:
-            if i_v == 0:
-                tl.store(dz_out + i_nh * DK + ck, dz, mask=mk)
+            tl.store(dz_out + i_nh * DK + ck, dz, mask=mk & (tl.zeros([BK], tl.int32) + i_v == 0))
 
 
 # ---------------------------------------------------------------------------------------------------------
