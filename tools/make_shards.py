@@ -33,7 +33,8 @@ def main() -> int:
     text.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_GLOB", help=".txt/.jsonl[.gz] files")
     text.add_argument("--tokenizer", required=True, metavar="PREFIX.model", help="a sentencepiece model")
     text.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
-    text.add_argument("--docs-per-shard", type=int, default=10_000)
+    text.add_argument("--docs-per-shard", type=int, default=10_000,
+                      help="shards are split among training ranks whole: make at least as many as ranks")
     text.add_argument("--txt-docs", choices=TXT_DOC_RULES, default="paragraphs",
                       help="document boundaries in .txt: blank-line paragraphs (default), WikiText ' = Title = ' "
                            "articles, or the whole file")

@@ -21,7 +21,8 @@ the next batch. ``state_dict()`` holds the cursor after the last batch handed ou
 Workers: every DataLoader worker walks the same logical stream, and worker w builds only the batches
 k ≡ w (mod num_workers), counted from where the iteration started; the DataLoader's in-order round robin hands them
 out as 0, 1, 2, .... Reading and shuffling are repeated in each worker (they run at millions of tokens/s), while
-assembling batches is shared. So batches and state are the same for any ``num_workers``, 0 included.
+assembling batches is shared. So batches and state are the same for any ``num_workers``, 0 included. Each worker
+holds one window in memory: at least one whole shard.
 
 Epochs: with ``epochs=None`` every rank cycles forever, so an uneven split of shards never hangs distributed
 training; ranks merely roll over at different steps. With ``epochs=N`` the stream ends after N epochs and the final
