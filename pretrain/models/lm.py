@@ -11,7 +11,7 @@ from torch import nn
 
 from ..attention import build_mixer, mixer_options
 from ..ops import cu_seqlens_from_position_ids
-from .layers import SwiGLU, swiglu_hidden
+from .layers import RMSNorm, SwiGLU, swiglu_hidden
 
 # Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).
 SHARED_MIXER_OPTIONS = ("rope_theta",)
@@ -37,9 +37,9 @@ class Block(nn.Module):
 
     def __init__(self, mixer: nn.Module, dim: int, ffn_hidden: int, norm_eps: float):
         super().__init__()
-        self.mixer_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.mixer_norm = RMSNorm(dim, eps=norm_eps)
         self.mixer = mixer
-        self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.ffn = SwiGLU(dim, ffn_hidden)
 
     def forward(self, x, cu_seqlens=None, position_ids=None):
@@ -65,7 +65,7 @@ class CausalLM(nn.Module):
                   dim, hidden, model_cfg.norm_eps)
             for name in layer_mixers(model_cfg)
         )
-        self.norm = nn.RMSNorm(dim, eps=model_cfg.norm_eps)
+        self.norm = RMSNorm(dim, eps=model_cfg.norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         if model_cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight

@@ -10,6 +10,7 @@ from torch import nn
 from pretrain.attention import REGISTRY
 from pretrain.config import ModelConfig
 from pretrain.models import build_lm
+from pretrain.models.layers import RMSNorm
 
 
 def model_cfg(**overrides):
@@ -150,3 +151,35 @@ def test_learns_to_continue_a_repeated_sequence():
         losses.append(loss.item())
     assert losses[0] > 0.8 * math.log(50) and losses[-1] < 0.5
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def rms_norm_formula(x, weight, eps):
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 3, 5, 24), (7, 64)])
+def test_rms_norm_matches_its_formula_forward_and_gradients(shape):
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(shape, generator=gen, dtype=torch.float64)).requires_grad_()
+    norm = RMSNorm(shape[-1], eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    out, ref = norm(x), rms_norm_formula(x, norm.weight, 1e-5)
+    torch.testing.assert_close(out, ref)
+    upstream = torch.randn(shape, generator=gen, dtype=torch.float64)
+    for got, expected in zip(torch.autograd.grad(out, (x, norm.weight), upstream),
+                             torch.autograd.grad(ref, (x, norm.weight), upstream)):
+        torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(out, nn.functional.rms_norm(x, (shape[-1],), norm.weight, 1e-5))
+
+
+def test_rms_norm_keeps_bf16_and_saves_only_input_and_inverse_rms():
+    x = torch.randn(4, 6, 32, dtype=torch.bfloat16, requires_grad=True)
+    norm = RMSNorm(32).to(torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = norm(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), rms_norm_formula(x.double(), 1.0, 1e-5), atol=1e-2, rtol=1e-2)
+    assert [t.shape for t in saved] == [x.shape, norm.weight.shape, (4, 6, 1)]
+    assert saved[0] is x and saved[1] is norm.weight
