@@ -5,9 +5,13 @@ UTF-8 bytes ``<0x..>``), the ``identity`` normalization (no NFKC), no dummy pref
 Sentencepiece writes spaces as ``▁`` (U+2581), so a literal ``▁`` in the text is encoded as its three byte pieces.
 
 Special ids, fixed for every model trained here: ``pad=0``, ``unk=1``, ``bos=2``, ``eos=3``. ``encode`` adds none of
-them; shards append ``eos`` to every document (see ``pretrain.data.shards``).
+them; shards append ``eos`` to every document (see ``pretrain.data.text_shards``).
+
+The same inputs and seed give the same model file wherever it is written, on machines with the same number of
+cores (sentencepiece's multi-threaded training depends on the thread count).
 """
 import hashlib
+import io
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -99,11 +103,12 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, mode
         raise ValueError(f"model_type={model_type!r}: expected 'bpe' or 'unigram'")
     if vocab_size <= 256 + 4:
         raise ValueError(f"vocab_size={vocab_size}: must exceed 260 (256 byte pieces + pad/unk/bos/eos)")
-    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    model = io.BytesIO()
+    spm.set_random_generator_seed(seed)  # sentencepiece seeds from the clock otherwise
     try:
-        spm.SentencePieceTrainer.train(
+        spm.SentencePieceTrainer.train(  # into memory: a model_prefix would be recorded in the model (and its sha256)
             sentence_iterator=_training_lines(inputs, txt_docs, sample_bytes, seed, progress),
-            model_prefix=out_prefix, vocab_size=vocab_size, model_type=model_type,
+            model_writer=model, vocab_size=vocab_size, model_type=model_type,
             byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=False,
             remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
             pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, character_coverage=0.9995,
@@ -111,4 +116,11 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, mode
             minloglevel=0 if progress else 2)
     except RuntimeError as err:
         raise ValueError(f"sentencepiece training with vocab_size={vocab_size} failed: {err}") from None
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    with open(out_prefix + ".model", "wb") as f:
+        f.write(model.getvalue())
+    trained = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    with open(out_prefix + ".vocab", "w", encoding="utf-8") as f:
+        for i in range(trained.get_piece_size()):
+            f.write(f"{trained.id_to_piece(i)}\t{trained.get_score(i):g}\n")
     return Tokenizer(out_prefix + ".model")

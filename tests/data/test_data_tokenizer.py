@@ -42,6 +42,14 @@ def test_any_utf8_round_trips(corpus, tmp_path, model_type):
     assert len(tok.encode(texts[0])) < len(texts[0].encode())  # it learned pieces, not just bytes
 
 
+def test_training_is_reproducible_wherever_the_model_goes(corpus, tmp_path, tokenizer):
+    paths, _ = corpus
+    again = train_tokenizer(paths, 400, str(tmp_path / "elsewhere" / "other-name"))
+    assert again.sha256 == tokenizer.sha256
+    assert (tmp_path / "elsewhere" / "other-name.vocab").read_text().splitlines()[:4] == \
+        ["<pad>\t0", "<unk>\t0", "<s>\t0", "</s>\t0"]
+
+
 def test_sampling_bytes_and_bad_settings(corpus, tmp_path):
     paths, _ = corpus
     tok = train_tokenizer(paths, 320, str(tmp_path / "small"), sample_bytes=5_000)
