@@ -2,15 +2,15 @@
 
 Fast forms: flash-attn's kernels when the package is importable and the tensors are fp16/bf16 on CUDA, otherwise
 PyTorch's ``scaled_dot_product_attention`` (which picks its own flash kernel on CUDA when there is no mask).
-Packed documents (``cu_seqlens``, B = 1) go to ``flash_attn_varlen_func``; on the SDPA path they become a
-block-diagonal causal ``[T, T]`` boolean mask. That costs T² bits of memory and the full T² work however short the
-documents are, and on CUDA it rules out SDPA's flash kernel (the memory-efficient one takes masks); it is the
-fallback, and correct — install flash-attn for long packed sequences.
+Packed documents (``cu_seqlens``, B = 1) go to ``flash_attn_varlen_func``; on the SDPA path, SDPA runs once per
+document. That costs one host sync (reading the offsets) and one kernel call per document, but only the work of
+each document alone: a block-diagonal mask over the packed B·T tokens would do B× the work of the unpacked batch
+and hold a (B·T)² mask.
 """
 import torch
 import torch.nn.functional as F
 
-from .documents import document_mask
+from .documents import document_mask, per_document
 from .precision import upcast
 
 try:
@@ -24,12 +24,9 @@ def softmax_attention(q, k, v, *, causal: bool = True, cu_seqlens: torch.Tensor 
     _check_shapes(q, k, v, cu_seqlens)
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         return _flash(q, k, v, causal, cu_seqlens)
-    mask = None if cu_seqlens is None else document_mask(q.shape[1], cu_seqlens, causal=causal, device=q.device)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, is_causal=causal and mask is None,
-    )
-    return out.transpose(1, 2)
+    if cu_seqlens is not None:
+        return per_document(_sdpa, cu_seqlens, q, k, v, causal=causal)
+    return _sdpa(q, k, v, causal=causal)
 
 
 def softmax_attention_naive(q, k, v, *, causal: bool = True, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,6 +37,11 @@ def softmax_attention_naive(q, k, v, *, causal: bool = True, cu_seqlens: torch.T
     allowed = document_mask(q.shape[1], cu_seqlens, causal=causal, device=q.device)
     weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
     return torch.einsum("bhts,bshd->bthd", weights, v32).to(q.dtype)
+
+
+def _sdpa(q, k, v, *, causal):
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
 
 
 def _flash(q, k, v, causal, cu_seqlens):
