@@ -183,3 +183,22 @@ def test_rms_norm_keeps_bf16_and_saves_only_input_and_inverse_rms():
     torch.testing.assert_close(out.double(), rms_norm_formula(x.double(), 1.0, 1e-5), atol=1e-2, rtol=1e-2)
     assert [t.shape for t in saved] == [x.shape, norm.weight.shape, (4, 6, 1)]
     assert saved[0] is x and saved[1] is norm.weight
+
+
+CAUSAL_MIXERS = sorted(name for name, cls in REGISTRY.items() if cls.supports_causal)
+
+
+@pytest.mark.parametrize("mixer", CAUSAL_MIXERS)
+def test_every_registered_causal_mixer_plugs_in(mixer):
+    """Each causal mixer in the registry builds into the LM unchanged, stays causal and keeps documents apart."""
+    torch.manual_seed(0)
+    model = build_lm(model_cfg(mixer=mixer)).double()
+    ids = torch.randint(0, 50, (2, 12))
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    packed = model(ids, position_ids)
+    torch.testing.assert_close(packed[0, 5:], model(ids[:1, 5:])[0])
+    torch.testing.assert_close(packed[0, :5], model(ids[:1, :5])[0])
+    changed = ids.clone()
+    changed[1, 8:] = (changed[1, 8:] + 1) % 50
+    torch.testing.assert_close(model(changed)[1, :8], model(ids)[1, :8])
+    assert model.flops_per_token(12) > 0
