@@ -5,7 +5,9 @@ Reads either your shards (--shards) or synthetic ones written to a temporary dir
 document lengths drawn log-normally around --mean-doc-tokens). Reports, side by side in one run:
   read      read_documents: tar parsing and decoding only
   packed    TokenLoader with num_workers=0: shuffle windows, packing, position ids, torch tensors
-and the ratio packed/read. The target for pre-tokenized shards is >= 1M packed tokens/s per reader process.
+and the ratio packed/read; with --workers N also the same loader through N DataLoader worker processes (each
+walks the whole stream and assembles every N-th batch). The target for pre-tokenized shards is >= 1M packed
+tokens/s per reader process.
 
 Example:
   python tools/bench_data.py --mean-doc-tokens 300 --tokens 20000000
@@ -63,6 +65,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--shuffle-buffer", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=0, help="also measure with this many DataLoader workers")
     args = parser.parse_args()
 
     from pretrain.data import TokenLoader, read_documents
@@ -78,13 +81,21 @@ def main() -> int:
                 yield from read_documents(pattern)
 
         read = tokens_per_second(forever_documents(), args.tokens, "read", lambda d: len(d.tokens))
-        loader = TokenLoader(pattern, seq_len=args.seq_len, batch_size=args.batch_size,
-                             shuffle_buffer=args.shuffle_buffer)
-        packed = tokens_per_second(loader, args.tokens, "packed", lambda b: b["input_ids"].numel())
+        def packed_tokens_per_second(workers: int) -> float:
+            loader = TokenLoader(pattern, seq_len=args.seq_len, batch_size=args.batch_size,
+                                 shuffle_buffer=args.shuffle_buffer, num_workers=workers)
+            return tokens_per_second(loader, args.tokens, f"packed, {workers} workers",
+                                     lambda b: b["input_ids"].numel())
+
+        packed = packed_tokens_per_second(0)
+        with_workers = packed_tokens_per_second(args.workers) if args.workers else None
     print(f"\nshards: {args.shards or f'synthetic, median {args.mean_doc_tokens} tokens a document'}; "
           f"seq_len={args.seq_len} batch_size={args.batch_size} shuffle_buffer={args.shuffle_buffer}")
     print(f"  read    {read / 1e6:8.2f} M tokens/s")
     print(f"  packed  {packed / 1e6:8.2f} M tokens/s   (packed/read = {packed / read:.2f})")
+    if with_workers is not None:
+        print(f"  packed with {args.workers} workers {with_workers / 1e6:8.2f} M tokens/s   "
+              f"(/ packed in process = {with_workers / packed:.2f})")
     print(f"  target  {'met' if packed >= 1e6 else 'MISSED'}: >= 1 M packed tokens/s per reader process")
     return 0
 
