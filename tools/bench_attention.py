@@ -8,12 +8,15 @@ or any mixer module registered in ``pretrain.attention`` (built with ``build_mix
 and run on ``[B, T, H*D]``); a name in both means the op, ``module:NAME`` the module.
 
 How it measures, per length:
-1. each mixer runs once in a fresh subprocess (a probe): one forward+backward for its peak memory, then one
-   forward and one forward+backward timed. A mixer that runs out of memory, fails, or outlasts
+1. each mixer runs once in a fresh subprocess (a probe): one forward+backward, timed, for its peak memory,
+   then one forward, timed. A mixer that runs out of memory, fails, or outlasts
    ``--probe-timeout`` is recorded with that status, not a crash; the other mixers go on.
 2. the mixers that fit are timed in this process, interleaved (one forward and one forward+backward of each
-   mixer per round), after a warm-up; the median over rounds is reported. A mixer whose probe already took longer
-   than ``--budget-s`` for the rounds keeps its probe time (``repeats`` = 1 in the record).
+   mixer per round), after a warm-up; the median over rounds is reported. A mixer whose probe says the rounds
+   would take longer than ``--budget-s`` keeps its probe times instead (``repeats`` = 1 in the record; its
+   forward+backward then includes first-call costs, which are small at such lengths).
+Each record also keeps the machine's 1-minute load average after it was measured, since a shared machine slows
+everything that runs on it.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` during one forward+backward, less what was allocated
 before the inputs were made. On CPU, the probe's peak resident set size (``ru_maxrss``) less its resident size
@@ -93,7 +96,7 @@ def resident_bytes() -> int:
 
 
 def probe(args) -> dict:
-    """Runs in the fresh subprocess: peak memory of one forward+backward, then one timing of each."""
+    """Runs in the fresh subprocess: one forward+backward, timed, for the peak memory; then a timed forward."""
     cuda = torch.device(args.device).type == "cuda"
     if cuda:
         torch.cuda.init()
@@ -102,14 +105,12 @@ def probe(args) -> dict:
     else:
         before = resident_bytes()
     step = build_step(args.probe, args.probe_len, args)
-    forward_backward(step)
-    sync(args.device)
+    fwd_bwd_s = timed(forward_backward, step, args.device)
     if cuda:
         peak = torch.cuda.max_memory_allocated() - before
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"peak_mem_bytes": peak, "fwd_s": timed(forward_only, step, args.device),
-            "fwd_bwd_s": timed(forward_backward, step, args.device)}
+    return {"peak_mem_bytes": peak, "fwd_bwd_s": fwd_bwd_s, "fwd_s": timed(forward_only, step, args.device)}
 
 
 def run_probe(name: str, seq_len: int, args) -> dict:
@@ -141,6 +142,7 @@ def measure_length(seq_len: int, args) -> list[dict]:
     base = {"seq_len": seq_len, "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
             "dtype": args.dtype, "device": device_name(args.device), "threads": torch.get_num_threads()}
     records, steps, samples = {}, {}, {}
+    load = {}
     for name in tqdm(args.mixers, desc=f"T={seq_len} probes", leave=False):
         found = run_probe(name, seq_len, args)
         record = {"mixer": name, **base, "status": found["status"], "fwd_ms": None, "fwd_bwd_ms": None,
@@ -154,6 +156,7 @@ def measure_length(seq_len: int, args) -> list[dict]:
             forward_backward(steps[name])  # warm-up
             samples[name] = ([], [])
         records[name] = record
+        load[name] = os.getloadavg()[0]
     for _ in tqdm(range(args.repeats), desc=f"T={seq_len} rounds", leave=False):
         for name, step in steps.items():
             samples[name][0].append(timed(forward_only, step, args.device))
@@ -161,6 +164,9 @@ def measure_length(seq_len: int, args) -> list[dict]:
     for name, (fwd, fwd_bwd) in samples.items():
         records[name].update(fwd_ms=statistics.median(fwd) * 1e3, fwd_bwd_ms=statistics.median(fwd_bwd) * 1e3,
                              repeats=len(fwd))
+        load[name] = os.getloadavg()[0]
+    for name, record in records.items():
+        record["load_avg"] = round(load[name], 2)
     steps.clear()
     return [records[name] for name in args.mixers]
 
