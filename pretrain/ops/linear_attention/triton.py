@@ -253,20 +253,21 @@ def _backward_dkdv_kernel(
         if STORE_DKDV:
             k_c = _load(k, length, DK, start, 0, H, BT, BK)
             v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
+            # dv first, then dk: one output tile and one score tile alive at a time
             dv_c = _mm(k_c, dS.to(dtype), None, PRECISION)
+            if INTRA:
+                A = tl.where(rows[:, None] >= rows[None, :], _mm(q_c, tl.trans(k_c), None, PRECISION), 0.0)
+                dv_c = _mm(tl.trans(A.to(dtype)), g_c, dv_c, PRECISION)
+            _store(dv, dv_c, length, DV, start, i_v * BV, H, BT, BV)
             dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION)
             if HAS_DELTA:
                 dk_c += dz[None, :]
             if INTRA:
-                causal = rows[:, None] >= rows[None, :]
-                A = tl.where(causal, _mm(q_c, tl.trans(k_c), None, PRECISION), 0.0)
-                dv_c = _mm(tl.trans(A.to(dtype)), g_c, dv_c, PRECISION)
                 dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
                 if HAS_DELTA:
                     dA += d_c[:, None]
-                dA = tl.where(causal, dA, 0.0)
+                dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
                 dk_c = _mm(tl.trans(dA.to(dtype)), q_c, dk_c, PRECISION)
-            _store(dv, dv_c, length, DV, start, i_v * BV, H, BT, BV)
             _store(dk, dk_c, length, DK, start, 0, H, BT, BK)
         if UPDATE:
             dS = _mm(tl.trans(q_c), g_c, dS, PRECISION)
@@ -283,9 +284,10 @@ def _backward_dkdv_kernel(
 # Host side: shapes, launches, and the autograd function that ties the sweeps together.
 
 MAX_HEAD_DIM = 256  # the state block (head dim × value block, fp32) lives in registers
-# Launch settings, fixed (no autotuning: nothing needs a GPU to pick them); chosen on an H200, see
-# benchmarks/notes_triton.md.
-CONFIG = dict(block_v=64, num_warps=4, num_stages=2)
+# Launch settings, fixed (nothing needs a GPU to choose them). Picked from the compiler's resource report for
+# sm_90 (B, H, D = 8, 32, 128 in bf16): with 8 warps and value blocks of 64 the forward and dq kernels keep
+# everything in registers; 4 warps, or blocks of 128, spill. Not yet timed on a GPU: benchmarks/notes_triton.md.
+CONFIG = dict(block_v=64, num_warps=8, num_stages=2)
 
 
 class _Launch:

@@ -1,0 +1,291 @@
+"""One GPU session for the linear-attention kernels: correctness on CUDA, the device's ceilings, a launch-config
+sweep, and the side-by-side benchmark (ours vs SDPA/flash vs flash-linear-attention vs the PyTorch chunked form).
+
+Run on a CUDA machine from the repository root, e.g.
+    python benchmarks/gpu_linear_attention.py --check --ceilings --sweep --bench --out results.json
+Prints a short table last; writes every number to --out (JSON). Needs only torch and triton (fla-core optional).
+"""
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pretrain.ops.linear_attention import linear_attention  # noqa: E402
+from pretrain.ops.linear_attention import triton as kernels  # noqa: E402
+
+try:
+    from fla.ops.linear_attn import chunk_linear_attn
+except ImportError:  # flash-linear-attention (fla-core) is the peer we measure against, when present
+    chunk_linear_attn = None
+
+
+DEV = "cuda"  # --device cpu (with TRITON_INTERPRET=1) only to dry-run --check
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------- correctness
+def check(results):
+    """Ours on CUDA against the fp64 naive reference: every normalization, causal/global, packed, state."""
+    rows = []
+    torch.manual_seed(0)
+    cases = []
+    for normalize in ("none", "divisive", "subtractive"):
+        for causal in (True, False):
+            for packed in (False, True):
+                for dtype in (torch.float32, torch.bfloat16):
+                    cases.append((normalize, causal, packed, dtype))
+    for normalize, causal, packed, dtype in cases:
+        B, T, H, DK, DV = (1, 300, 3, 40, 72) if packed else (2, 257, 3, 40, 72)
+        if DEV == "cpu":  # dry run under the interpreter: smaller
+            B, T, H = (1, 300, 1) if packed else (1, 100, 1)
+        cu = torch.tensor([0, 7, 64, 190, 300], device=DEV, dtype=torch.int32) if packed else None
+        N = 4 if packed else B
+        q, k = (torch.rand(B, T, H, DK, device=DEV).to(dtype).requires_grad_() for _ in range(2))
+        v = torch.randn(B, T, H, DV, device=DEV).to(dtype).requires_grad_()
+        shapes = dict(S=(N, H, DK, DV), z=(N, H, DK), u=(N, H, DV), n=(N, H))
+        fields = {"none": "S", "divisive": "Sz", "subtractive": "Szun"}[normalize]
+        init = {f: torch.rand(shapes[f], device=DEV) for f in fields}
+        if "n" in init:
+            init["n"] = torch.randint(1, 9, shapes["n"], device=DEV).float()
+        for f in init:
+            init[f].requires_grad_(f != "n")
+        outs = {}
+        for impl in ("triton", "naive"):
+            c = (lambda t: t.double()) if impl == "naive" else (lambda t: t)
+            st = kernels.LinearAttentionState(**{f: c(t) for f, t in init.items()})
+            o, fin = linear_attention(c(q), c(k), c(v), causal=causal, normalize=normalize, cu_seqlens=cu,
+                                      initial_state=st, output_final_state=True, impl=impl)
+            outs[impl] = (o, fin)
+        go = torch.randn_like(outs["triton"][0], dtype=torch.float32)
+        gS = torch.randn(shapes["S"], device=DEV)
+        leaves = [q, k, v] + [init[f] for f in fields if f != "n"]
+        grads = {}
+        for impl, (o, fin) in outs.items():
+            loss = (o * go.to(o.dtype)).sum() + (fin.S * gS.to(fin.S.dtype)).sum()
+            grads[impl] = torch.autograd.grad(loss, leaves)
+        errs = [rel(outs["triton"][0], outs["naive"][0]), rel(outs["triton"][1].S, outs["naive"][1].S)]
+        errs += [rel(a, b) for a, b in zip(grads["triton"], grads["naive"])]
+        finite = all(torch.isfinite(t).all().item() for t in [outs["triton"][0], *grads["triton"]])
+        rows.append(dict(normalize=normalize, causal=causal, packed=packed, dtype=str(dtype), errors=errs,
+                         finite=finite))
+        log(f"check {normalize:11s} causal={causal!s:5s} packed={packed!s:5s} {str(dtype):15s} "
+            f"finite={finite} max_err={max(errs):.1e} " + " ".join(f"{e:.1e}" for e in errs))
+    if DEV == "cpu":
+        results["check"] = rows
+        return
+    # big realistic shape against fp64 naive (D = 128, two value blocks)
+    q, k = (torch.rand(2, 2048, 4, 128, device=DEV).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(2, 2048, 4, 128, device=DEV).bfloat16().requires_grad_()
+    for normalize in ("none", "divisive"):
+        o = linear_attention(q, k, v, normalize=normalize, impl="triton")
+        ref = linear_attention(q.double(), k.double(), v.double(), normalize=normalize, impl="naive")
+        go = torch.randn_like(o)
+        g1 = torch.autograd.grad(o, (q, k, v), go)
+        g2 = torch.autograd.grad(ref, (q, k, v), go.double())
+        errs = [rel(o, ref)] + [rel(a, b) for a, b in zip(g1, g2)]
+        rows.append(dict(normalize=normalize, shape="2x2048x4x128 bf16", errors=errs))
+        log(f"check big {normalize}: " + " ".join(f"{e:.1e}" for e in errs))
+        if chunk_linear_attn is not None:
+            o_fla, _ = chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize == "divisive")
+            log(f"check big {normalize}: fla-core vs naive {rel(o_fla, ref):.1e}")
+    results["check"] = rows
+
+
+# ------------------------------------------------------------------------------------------------ ceilings
+def ceilings(results):
+    x = torch.randn(2 * 1024**3 // 4, device=DEV)  # 2 GiB, far past the L2
+    y = torch.empty_like(x)
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    bw = 2 * x.numel() * 4 / ms / 1e9  # TB/s, read + write
+    del x, y
+    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    ms_mm = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    tflops = 2 * 8192**3 / ms_mm / 1e9
+    results["ceilings"] = dict(copy_TBps=bw, bf16_matmul_TFLOPs=tflops)
+    log(f"ceilings: copy {bw:.2f} TB/s (read+write), bf16 8192^3 matmul {tflops:.0f} TFLOP/s")
+
+
+# --------------------------------------------------------------------------------------------- benchmarks
+def flops_per_token_head(dk, dv, chunk, fwd_only):
+    """The kernels' own FLOP count (multiply-add = 2): C×C tiles counted whole, states dk×dv."""
+    fwd = 2 * chunk * (dk + dv) + 4 * dk * dv
+    bwd = 6 * chunk * (dk + dv) + 10 * dk * dv
+    return fwd if fwd_only else fwd + bwd
+
+
+def make_ops(B, T, H, D, chunk=64):
+    """name -> (setup() -> (fn_fwd, fn_fwdbwd)); inputs made inside so each op owns its memory."""
+    def linear(impl, normalize):
+        def setup():
+            q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+            v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
+            do = torch.randn_like(v)
+            f = lambda: linear_attention(q, k, v, normalize=normalize, impl=impl, chunk_size=chunk)  # noqa: E731
+            return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
+        return setup
+
+    def fla(normalize):
+        def setup():
+            q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+            v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
+            do = torch.randn_like(v)
+            f = lambda: chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize)[0]  # noqa: E731
+            return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
+        return setup
+
+    def sdpa():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def setup():
+            q, k, v = (torch.randn(B, H, T, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
+                       for _ in range(3))
+            do = torch.randn_like(v)
+
+            def f():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
+        return setup
+
+    ops = {"sdpa_flash": sdpa(), "linear_triton": linear("triton", "none"),
+           "linear_triton_div": linear("triton", "divisive"), "linear_chunk": linear("chunk", "none")}
+    if chunk_linear_attn is not None:
+        ops["fla_chunk"] = fla(False)
+        ops["fla_chunk_div"] = fla(True)
+    return ops
+
+
+def measure(setup, fwd_only):
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    try:
+        fwd, fwdbwd = setup()
+        fn = fwd if fwd_only else fwdbwd
+        torch.cuda.synchronize()
+        inputs = torch.cuda.memory_allocated() - base
+        fn()  # compile / warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        ms2 = triton.testing.do_bench(fn, warmup=5, rep=100, return_mode="median")
+        return dict(ms=ms, ms_repeat=ms2, peak_extra_GB=peak / 1e9, inputs_GB=inputs / 1e9)
+    except torch.cuda.OutOfMemoryError:
+        return dict(ms=None, error="out of memory")
+    finally:
+        torch.cuda.empty_cache()
+
+
+def bench(results, lengths, only=None, B=8, H=32, D=128):
+    rows = []
+    for T in lengths:
+        ops = make_ops(B, T, H, D)
+        for name, setup in ops.items():
+            if only and name not in only:
+                continue
+            for fwd_only in (True, False):
+                if name == "linear_chunk" and T > 16384:
+                    continue  # the PyTorch form is the slow reference point; long T costs minutes
+                t0 = time.time()
+                m = measure(setup, fwd_only)
+                m.update(op=name, T=T, B=B, H=H, D=D, pass_="fwd" if fwd_only else "fwd+bwd")
+                if m.get("ms") and name.startswith("linear_triton"):
+                    flops = flops_per_token_head(D, D, 64, fwd_only) * B * T * H
+                    m["TFLOPs"] = flops / m["ms"] / 1e9
+                rows.append(m)
+                log(f"bench T={T:6d} {name:18s} {m['pass_']:8s} "
+                    + (f"{m['ms']:9.3f} ms (again {m['ms_repeat']:.3f}) peak+{m['peak_extra_GB']:.2f} GB"
+                       if m.get("ms") else m.get("error", "")) + f"  [{time.time() - t0:.0f}s]")
+    results.setdefault("bench", []).extend(rows)
+
+
+def sweep(results, T=8192, B=8, H=32, D=128):
+    """Launch settings of our kernels at one length: forward and forward+backward time."""
+    configs = [dict(block_v=64, num_warps=4, num_stages=2), dict(block_v=64, num_warps=4, num_stages=3),
+               dict(block_v=64, num_warps=8, num_stages=2), dict(block_v=128, num_warps=8, num_stages=2),
+               dict(block_v=128, num_warps=4, num_stages=2), dict(block_v=128, num_warps=8, num_stages=3),
+               dict(block_v=32, num_warps=4, num_stages=2)]
+    rows = []
+    default = dict(kernels.CONFIG)
+    for cfg in configs:
+        for chunk in (64, 128):
+            kernels.CONFIG.update(cfg)
+            setup = make_ops(B, T, H, D, chunk)["linear_triton"]
+            try:
+                r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
+            except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
+                r = {"error": repr(e)[:200]}
+            rows.append(dict(cfg, chunk=chunk, **{p: r[p]["ms"] if p in r else None for p in ("fwd", "fwd+bwd")},
+                             error=r.get("error")))
+            log(f"sweep {cfg} chunk={chunk}: " + (f"fwd {r['fwd']['ms']:.3f} ms, fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"
+                                                 if "error" not in r else r["error"]))
+    kernels.CONFIG.update(default)
+    results["sweep"] = dict(T=T, rows=rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="correctness of ours on CUDA against fp64 naive")
+    p.add_argument("--ceilings", action="store_true", help="copy bandwidth and bf16 matmul rate")
+    p.add_argument("--sweep", action="store_true", help="launch settings of our kernels at T=8k")
+    p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
+    p.add_argument("--only", default="", help="comma-separated op names to bench")
+    p.add_argument("--out", default="gpu_results.json")
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args()
+    global DEV
+    DEV = a.device
+    results = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__, triton=triton.__version__,
+                   python=platform.python_version(), cuda=torch.version.cuda, config=dict(kernels.CONFIG))
+    try:
+        import fla
+        results["fla_core"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        results["fla_core"] = None
+    log(results)
+    try:
+        if a.check:
+            check(results)
+        if a.ceilings:
+            ceilings(results)
+        if a.sweep:
+            sweep(results)
+        if a.bench:
+            bench(results, [int(t) for t in a.bench.split(",")], only=set(filter(None, a.only.split(","))))
+    finally:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    table(results)
+
+
+def table(results):
+    log("\n== summary ==")
+    for row in results.get("sweep", {}).get("rows", []):
+        log(f"sweep bv={row['block_v']} w={row['num_warps']} s={row['num_stages']} C={row['chunk']}: "
+            f"fwd {row['fwd']} fwd+bwd {row['fwd+bwd']} {row['error'] or ''}")
+    by = {}
+    for r in results.get("bench", []):
+        by.setdefault((r["T"], r["pass_"]), {})[r["op"]] = r.get("ms")
+    for (T, pas), ops in sorted(by.items()):
+        log(f"T={T:6d} {pas:8s} " + " ".join(f"{k}={v:.2f}" if v else f"{k}=-" for k, v in ops.items()))
+
+
+if __name__ == "__main__":
+    main()

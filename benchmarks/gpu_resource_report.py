@@ -1,0 +1,101 @@
+"""Compile the linear-attention kernels for a GPU that is not here, and print what the compiler gives each one.
+
+    python benchmarks/gpu_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
+
+For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
+(wgmma) instructions in the SASS, and shared memory, per (value block, warps, pipeline stages, chunk). Needs no
+GPU: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads it back. Spills are the one
+question about a launch setting that can be answered without the device.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pretrain.ops.linear_attention import triton as kernels  # noqa: E402
+
+TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def signature(fn, dtype, constexprs):
+    """Argument types by the kernels' naming: inputs/outputs in ``dtype``, states and per-token values fp32."""
+    types = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            types[name] = "constexpr"
+        elif name == "T":
+            types[name] = "i32"
+        elif name == "block_stride":
+            types[name] = "i64"
+        elif name == "eps":
+            types[name] = "fp32"
+        elif name == "cu_seqlens":
+            types[name] = "*i32"
+        elif name in ("q", "k", "v", "o", "g", "dq", "dk", "dv"):
+            types[name] = f"*{dtype}"
+        else:
+            types[name] = "*fp32"
+    return types
+
+
+def report(fn, constexprs, warps, stages, arch, dtype):
+    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([TOOLS / "cuobjdump", "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([TOOLS / "cuobjdump", "--dump-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
+    return (f"regs {regs.group(1) if regs else '?':>3}  stack {stack.group(1) if stack else '?':>5} B  "
+            f"local ld/st {local:5d}  HGMMA {sass.count('HGMMA'):3d}  "
+            f"smem {compiled.metadata.shared:6d} B")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["64,8,2", "128,8,2", "64,4,2", "32,8,2"],
+                   help="value block, warps, stages")
+    p.add_argument("--chunks", nargs="+", type=int, default=[64])
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--normalize", default="divisive", choices=sorted(kernels.NORMALIZE_CODES))
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
+    a = p.parse_args()
+    d = a.head_dim
+    scaled = a.normalize != "none"
+    for cfg in a.configs:
+        block_v, warps, stages = (int(x) for x in cfg.split(","))
+        for chunk in a.chunks:
+            common = dict(H=a.heads, DK=d, DV=d, BK=triton.next_power_of_2(d), BV=block_v, BT=chunk, VARLEN=False,
+                          PRECISION="tf32")
+            forward = dict(common, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
+                           STORE_O=True, HAS_INITIAL=False, STORE_FINAL=False)
+            dq = dict(common, INTRA=True, HAS_SCALE=scaled, HAS_DELTA=scaled, HAS_INITIAL=False)
+            dkdv = dict(common, INTRA=True, UPDATE=True, STORE_DKDV=True, HAS_SCALE=scaled, HAS_DELTA=scaled,
+                        HAS_FINAL_GRAD=False, STORE_DS=False)
+            print(f"block_v={block_v} warps={warps} stages={stages} chunk={chunk} ({a.normalize}, {a.dtype}, "
+                  f"sm_{a.arch}, D={d})", flush=True)
+            for name, fn, constexprs in (("forward", kernels._forward_kernel, forward),
+                                         ("dq", kernels._backward_dq_kernel, dq),
+                                         ("dk,dv", kernels._backward_dkdv_kernel, dkdv)):
+                print(f"  {name:8s} {report(fn, constexprs, warps, stages, a.arch, a.dtype)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
