@@ -86,8 +86,7 @@ def main() -> int:
          [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
           "launch/pretrain.py", "--config", "configs/tiny_lm.yaml",
           f"run.dir={run}", f"data.tokenizer={tok}.model",
-          f"data.train_shards={data / 'shards' / 'train'}/shard-{{000000..999999}}.tar",
-          f"data.val_shards={data / 'shards' / 'valid'}/shard-{{000000..999999}}.tar",
+          f"data.train_shards={data / 'shards' / 'train'}", f"data.val_shards={data / 'shards' / 'valid'}",
           f"train.max_steps={args.steps}"], env=env)
     step("evaluate perplexity on held-out stdlib modules",
          [py, "tools/eval_ppl.py", "--run", str(run), "--data", str(held_out), "--json"])
