@@ -52,10 +52,13 @@ def run_with_grads(q, k, v, state, *, impl, seed=2, **kwargs):
     """Output, final state and the gradients of a random linear function of both (w.r.t. q, k, v, state)."""
     o, final = linear_attention(q, k, v, impl=impl, initial_state=state, output_final_state=True, **kwargs)
     g = torch.Generator().manual_seed(seed)
-    loss = (o.double() * torch.randn(o.shape, generator=g, dtype=torch.float64)).sum()
+    def weights(x):
+        return torch.randn(x.shape, generator=g, dtype=torch.float64).to(x.device)
+
+    loss = (o.double() * weights(o)).sum()
     for field in final:
         if field is not None:
-            loss = loss + (field.double() * torch.randn(field.shape, generator=g, dtype=torch.float64)).sum()
+            loss = loss + (field.double() * weights(field)).sum()
     leaves = [q, k, v] + ([f for f in state if f is not None] if state is not None else [])
     grads = torch.autograd.grad(loss, leaves)
     return o, final, grads
@@ -194,9 +197,9 @@ def test_decoding_continues_from_a_chunked_prefill():
     torch.testing.assert_close(torch.cat(outputs, dim=1), whole, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl,causal", [("chunk", True), ("chunk", False), ("recurrent", True)])
 @pytest.mark.parametrize("normalize", NORMALIZATIONS)
-def test_gradcheck_chunk_fp64(causal, normalize):
+def test_gradcheck_fp64(impl, causal, normalize):
     cu_seqlens = torch.tensor([0, 2, 7, 11], dtype=torch.int32)
     q, k, v = make_inputs(1, 11, 1, 2, 3, seed=7)
     state = make_state(3, 1, 2, 3, normalize, seed=8)
@@ -204,11 +207,31 @@ def test_gradcheck_chunk_fp64(causal, normalize):
 
     def fn(q, k, v, *fields):
         o, final = linear_attention(q, k, v, causal=causal, normalize=normalize, cu_seqlens=cu_seqlens, chunk_size=4,
-                                    impl="chunk", initial_state=LinearAttentionState(*fields),
+                                    impl=impl, initial_state=LinearAttentionState(*fields),
                                     output_final_state=True)
         return (o, *(f for f in final if f is not None))
 
     assert torch.autograd.gradcheck(fn, (q, k, v, *fields))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_chunk_on_cuda_matches_naive(dtype, normalize):
+    cu_seqlens = torch.tensor([0, 3, 70, 75, 200], dtype=torch.int32)
+    q, k, v = make_inputs(1, 200, 4, 32, 32, dtype=dtype, seed=13)
+    state = make_state(4, 4, 32, 32, normalize, dtype=torch.float32, seed=14)
+    kwargs = dict(normalize=normalize, cu_seqlens=cu_seqlens, chunk_size=64)
+    want = run_with_grads(q, k, v, state, impl="naive", **kwargs)
+    on_gpu = [x.detach().cuda().requires_grad_() for x in (q, k, v)]
+    gpu_state = LinearAttentionState(*(None if s is None else s.detach().cuda().requires_grad_() for s in state))
+    got = run_with_grads(*on_gpu, gpu_state, impl="chunk", **{**kwargs, "cu_seqlens": cu_seqlens.cuda()})
+    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps  # scaled by each tensor's largest entry
+    for got_x, want_x in zip([got[0], *got[2]], [want[0], *want[2]]):
+        want_x = want_x.detach().double()
+        torch.testing.assert_close(got_x.cpu().double(), want_x, rtol=tol, atol=tol * float(want_x.abs().amax()))
+    assert_close_all([None if f is None else f.cpu() for f in got[1]], want[1], rtol=1e-5, atol=1e-4, what="final")
 
 
 def test_auto_picks_chunk_on_cpu():
