@@ -93,23 +93,30 @@ def test_matches_naive_fp32(normalize, causal, packed):
         assert_close(got, want, 1e-5, name)
 
 
-@pytest.mark.parametrize("normalize,dtype,tol", [
-    ("none", torch.bfloat16, 1e-2), ("divisive", torch.bfloat16, 1e-2),
-    ("none", torch.float16, 2e-3), ("divisive", torch.float16, 2e-3), ("subtractive", torch.float16, 3e-3),
-])
-def test_half_precision_with_several_value_blocks(normalize, dtype, tol):
-    """bf16/fp16 inputs with fp32 states; Dv = 80 spans two value blocks, so dq and dk are summed over them.
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-    Subtractive in bf16 is left out on purpose: its two terms cancel (weights centred around 1/n), which
-    magnifies bf16's rounding of the C×C score tile beyond the 1e-2 that bf16 operands earn.
+
+@pytest.mark.parametrize("normalize,dtype", [
+    ("none", torch.bfloat16), ("divisive", torch.bfloat16),
+    ("none", torch.float16), ("divisive", torch.float16), ("subtractive", torch.float16),
+])
+def test_half_precision_with_several_value_blocks(normalize, dtype):
+    """bf16/fp16 inputs with fp32 states and accumulators; d = 72 and Dv = 80 span two channel blocks each.
+
+    The tensor-core operands (score tiles, states) are rounded to the input dtype, so errors are a few units of
+    its roundoff u, not fp32's: o, dk, dv within 4u (measured ≤ 1.9u; subtractive's o 3.8u in fp16). dq of
+    divisive gets 6u: it holds dO·(v_j − o), two nearly cancelling terms, so o's own error (≈ 1.7u) shows
+    through: measured 4.0u in bf16, under 2u when o was replaced by the exact output (checked at d = 24).
+    Subtractive in bf16 is left out: its terms cancel harder (weights centred on 1/n) and its o reaches 10u.
     """
-    q, k, v = make_inputs(1, 70, 1, 24, 80, dtype, seed=7)
+    q, k, v = make_inputs(1, 70, 1, 72, 80, dtype, seed=7)
     (o, _, grads), (ref_o, _, ref_grads) = run_both(q, k, v, None, seed=7, normalize=normalize, chunk_size=32)
+    u = UNIT_ROUNDOFF[dtype]
     assert o.dtype == dtype
-    assert_close(o, ref_o, tol, "o")
+    assert_close(o, ref_o, 4 * u, "o")
     for name, got, want in zip(["dq", "dk", "dv"], grads, ref_grads):
         assert got.dtype == dtype
-        assert_close(got, want, tol, name)
+        assert_close(got, want, 6 * u if (name, normalize) == ("dq", "divisive") else 4 * u, name)
 
 
 def test_chunk_size_does_not_change_results():

@@ -154,23 +154,24 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_dq_kernel(
-    k, v, g, gscale, delta, dq, s_in, z_in, cu_seqlens,
-    T, block_stride, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    k, v, g, scale, center, dq, s_in, z_in, cu_seqlens,
+    T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_INITIAL: tl.constexpr,
+    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, HAS_INITIAL: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """This value block's share of dq = tril(g' vᵀ + δ) k + g' Sᵀ + δ zᵀ (δ and z in block 0 only)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """Forward sweep for a block of key channels (all value channels), S and z running over earlier chunks:
+    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]."""
+    i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     length = (eos - bos).to(tl.int32)
-    k, dq = k + (bos * H + i_h) * DK, dq + i_v.to(tl.int64) * block_stride + (bos * H + i_h) * DK
+    k, dq = k + (bos * H + i_h) * DK, dq + (bos * H + i_h) * DK
     v, g = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV
-    gscale, delta = gscale + bos * H + i_h, delta + bos * H + i_h
+    scale, center = scale + bos * H + i_h, center + bos * H + i_h
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = tl.arange(0, BV)
     mk, mv = ck < DK, cv < DV
     dtype = k.dtype.element_ty
 
@@ -179,56 +180,59 @@ def _backward_dq_kernel(
     if HAS_INITIAL:
         S += tl.load(s_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)
-        if HAS_DELTA:
-            z += tl.load(z_in + i_nh * DK + ck, mask=mk & (tl.zeros([BK], tl.int32) + i_v == 0), other=0.0)
+        if HAS_CENTER:
+            z += tl.load(z_in + i_nh * DK + ck, mask=mk, other=0.0)
 
     for start in range(0, length, BT):
         mt = start + rows < length
-        g_c = _load(g, length, DV, start, i_v * BV, H, BT, BV)
-        if HAS_SCALE:
-            g_c = (g_c.to(tl.float32) * tl.load(gscale + (start + rows) * H, mask=mt, other=0.0)[:, None]).to(dtype)
+        g_c = _load(g, length, DV, start, 0, H, BT, BV)
         dq_c = _mm(g_c, tl.trans(S.to(dtype)), None, PRECISION)
-        if HAS_DELTA:
-            d_c = tl.load(delta + (start + rows) * H, mask=mt & (tl.zeros([BT], tl.int32) + i_v == 0), other=0.0)
-            dq_c += d_c[:, None] * z[None, :]
+        if HAS_CENTER:
+            c_c = tl.load(center + (start + rows) * H, mask=mt, other=0.0)
+            dq_c += c_c[:, None] * z[None, :]
         if INTRA:
-            k_c = _load(k, length, DK, start, 0, H, BT, BK)
-            v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
+            k_c = _load(k, length, DK, start, i_k * BK, H, BT, BK)
+            v_c = _load(v, length, DV, start, 0, H, BT, BV)
             dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
-            if HAS_DELTA:
-                dA += d_c[:, None]  # a = q·z is the output of a value that is 1: its score gradient is δ
+            if HAS_CENTER:
+                dA += c_c[:, None]
             dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
             dq_c = _mm(dA.to(dtype), k_c, dq_c, PRECISION)
-        _store(dq, dq_c, length, DK, start, 0, H, BT, BK)
+        if HAS_SCALE:
+            dq_c *= tl.load(scale + (start + rows) * H, mask=mt, other=0.0)[:, None]
+        _store(dq, dq_c, length, DK, start, i_k * BK, H, BT, BK)
         if INTRA:
             S = _mm(tl.trans(k_c), v_c, S, PRECISION)
-            if HAS_DELTA:
+            if HAS_CENTER:
                 z += tl.sum(k_c.to(tl.float32), 0)
 
 
 @triton.jit
-def _backward_dkdv_kernel(
-    q, k, v, g, gscale, delta, dk, dv, ds_in, dz_in, ds_out, dz_out, cu_seqlens,
-    T, block_stride, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    INTRA: tl.constexpr, UPDATE: tl.constexpr, STORE_DKDV: tl.constexpr,
-    HAS_SCALE: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr, STORE_DS: tl.constexpr,
+def _backward_dk_dv_kernel(
+    q, k, v, g, scale, center, dk, dv, ds_in, dz_in, ds_out, dz_out, cu_seqlens,
+    T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FOR_DK: tl.constexpr,
+    INTRA: tl.constexpr, UPDATE: tl.constexpr, STORE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr, STORE_DS: tl.constexpr,
     VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Reverse sweep: dv = tril(q kᵀ)ᵀ g' + k dS and this value block's share of dk = tril(g' vᵀ + δ)ᵀ q + v dSᵀ
-    + dz, with dS = Σ_later qᵀ g', dz = Σ_later δ q starting from the final state's gradient; writes dS, dz as
-    they stand before the first token (the initial state's gradient)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """Reverse sweep over dS = Σ_later (s q)ᵀ g and dz = Σ_later s c q, from the final state's gradient.
+
+    FOR_DK: a block of key channels, all value channels: dk = tril(s ⊙ (g vᵀ + c))ᵀ q + v dSᵀ + dz.
+    Otherwise a block of value channels, all key channels: dv = tril(s ⊙ q kᵀ)ᵀ g + k dS.
+    STORE_DS writes dS (and dz) as they stand before the first token: the initial state's gradient."""
+    i_b, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     length = (eos - bos).to(tl.int32)
-    q, k = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK
-    dk = dk + i_v.to(tl.int64) * block_stride + (bos * H + i_h) * DK
+    q, k, dk = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK, dk + (bos * H + i_h) * DK
     v, g, dv = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV, dv + (bos * H + i_h) * DV
-    gscale, delta = gscale + bos * H + i_h, delta + bos * H + i_h
+    scale, center = scale + bos * H + i_h, center + bos * H + i_h
+    k0 = i_b * BK if FOR_DK else 0
+    v0 = 0 if FOR_DK else i_b * BV
     rows = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
+    ck = k0 + tl.arange(0, BK)
+    cv = v0 + tl.arange(0, BV)
     mk, mv = ck < DK, cv < DV
     dtype = q.dtype.element_ty
 
@@ -237,47 +241,57 @@ def _backward_dkdv_kernel(
     dz = tl.zeros([BK], dtype=tl.float32)
     if HAS_FINAL_GRAD:
         dS += tl.load(ds_in + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
-        if HAS_DELTA:
-            dz += tl.load(dz_in + i_nh * DK + ck, mask=mk & (tl.zeros([BK], tl.int32) + i_v == 0), other=0.0)
+        if HAS_CENTER:
+            dz += tl.load(dz_in + i_nh * DK + ck, mask=mk, other=0.0)
 
     num_chunks = tl.cdiv(length, BT)
     for i in range(num_chunks):
         start = (num_chunks - 1 - i) * BT
         mt = start + rows < length
-        q_c = _load(q, length, DK, start, 0, H, BT, BK)
-        g_c = _load(g, length, DV, start, i_v * BV, H, BT, BV)
+        q_c = _load(q, length, DK, start, k0, H, BT, BK)
+        g_c = _load(g, length, DV, start, v0, H, BT, BV)
         if HAS_SCALE:
-            g_c = (g_c.to(tl.float32) * tl.load(gscale + (start + rows) * H, mask=mt, other=0.0)[:, None]).to(dtype)
-        if HAS_DELTA:
-            d_c = tl.load(delta + (start + rows) * H, mask=mt & (tl.zeros([BT], tl.int32) + i_v == 0), other=0.0)
-        if STORE_DKDV:
-            k_c = _load(k, length, DK, start, 0, H, BT, BK)
-            v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
-            # dv first, then dk: one output tile and one score tile alive at a time
-            dv_c = _mm(k_c, dS.to(dtype), None, PRECISION)
-            if INTRA:
-                A = tl.where(rows[:, None] >= rows[None, :], _mm(q_c, tl.trans(k_c), None, PRECISION), 0.0)
-                dv_c = _mm(tl.trans(A.to(dtype)), g_c, dv_c, PRECISION)
-            _store(dv, dv_c, length, DV, start, i_v * BV, H, BT, BV)
-            dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION)
-            if HAS_DELTA:
-                dk_c += dz[None, :]
-            if INTRA:
-                dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
-                if HAS_DELTA:
-                    dA += d_c[:, None]
-                dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
-                dk_c = _mm(tl.trans(dA.to(dtype)), q_c, dk_c, PRECISION)
-            _store(dk, dk_c, length, DK, start, 0, H, BT, BK)
+            s_c = tl.load(scale + (start + rows) * H, mask=mt, other=0.0)
+        if HAS_CENTER:
+            c_c = tl.load(center + (start + rows) * H, mask=mt, other=0.0)
+        if STORE:
+            if FOR_DK:
+                v_c = _load(v, length, DV, start, 0, H, BT, BV)
+                dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION)
+                if HAS_CENTER:
+                    dk_c += dz[None, :]
+                if INTRA:
+                    dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
+                    if HAS_CENTER:
+                        dA += c_c[:, None]
+                    if HAS_SCALE:
+                        dA *= s_c[:, None]
+                    dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
+                    dk_c = _mm(tl.trans(dA.to(dtype)), q_c, dk_c, PRECISION)
+                _store(dk, dk_c, length, DK, start, k0, H, BT, BK)
+            else:
+                k_c = _load(k, length, DK, start, 0, H, BT, BK)
+                dv_c = _mm(k_c, dS.to(dtype), None, PRECISION)
+                if INTRA:
+                    A = _mm(q_c, tl.trans(k_c), None, PRECISION)
+                    if HAS_SCALE:
+                        A *= s_c[:, None]
+                    A = tl.where(rows[:, None] >= rows[None, :], A, 0.0)
+                    dv_c = _mm(tl.trans(A.to(dtype)), g_c, dv_c, PRECISION)
+                _store(dv, dv_c, length, DV, start, v0, H, BT, BV)
         if UPDATE:
-            dS = _mm(tl.trans(q_c), g_c, dS, PRECISION)
-            if HAS_DELTA:
-                dz += tl.sum(q_c.to(tl.float32) * d_c[:, None], 0)
+            if HAS_SCALE:
+                sq_c = q_c.to(tl.float32) * s_c[:, None]
+                dS = _mm(tl.trans(sq_c.to(dtype)), g_c, dS, PRECISION)
+                if HAS_CENTER:
+                    dz += tl.sum(sq_c * c_c[:, None], 0)
+            else:
+                dS = _mm(tl.trans(q_c), g_c, dS, PRECISION)
 
     if STORE_DS:
         tl.store(ds_out + state_offs, dS, mask=mk[:, None] & mv[None, :])
-        if HAS_DELTA:
-            tl.store(dz_out + i_nh * DK + ck, dz, mask=mk & (tl.zeros([BK], tl.int32) + i_v == 0))
+        if HAS_CENTER:
+            tl.store(dz_out + i_nh * DK + ck, dz, mask=mk)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -287,11 +301,15 @@ MAX_HEAD_DIM = 256  # the state block (head dim × value block, fp32) lives in r
 # Launch settings, fixed (nothing needs a GPU to choose them). Picked from the compiler's resource report for
 # sm_90 (B, H, D = 8, 32, 128 in bf16): with 8 warps and value blocks of 64 the forward and dq kernels keep
 # everything in registers; 4 warps, or blocks of 128, spill. Not yet timed on a GPU: benchmarks/notes_triton.md.
-CONFIG = dict(block_v=64, num_warps=8, num_stages=2)
+CONFIG = dict(block=64, num_warps=8, num_stages=2)
 
 
 class _Launch:
-    """Geometry of one call: tokens laid out [B*T, H, D], programs over (value block, sequence × head)."""
+    """Geometry of one call: tokens laid out [B*T, H, D]; programs over (channel block, sequence × head).
+
+    The forward and dv split the value channels into blocks (each needs every key channel for q kᵀ); dq and
+    dk split the key channels (each needs every value channel for g' vᵀ). So every program writes whole
+    outputs: no partial sums."""
 
     def __init__(self, q, v, cu_seqlens, chunk_size):
         batch, self.T, self.H, self.DK = q.shape
@@ -303,10 +321,12 @@ class _Launch:
         self.N = batch if cu_seqlens is None else cu_seqlens.numel() - 1
         self.tokens = batch * self.T
         self.BT = max(16, chunk_size)  # the tiling only: results do not depend on it; tl.dot needs ≥ 16
-        self.BK = max(16, triton.next_power_of_2(self.DK))
-        self.BV = min(CONFIG["block_v"], max(16, triton.next_power_of_2(self.DV)))
-        self.NV = triton.cdiv(self.DV, self.BV)
-        self.grid = (self.NV, self.N * self.H)
+        self.BK_full = max(16, triton.next_power_of_2(self.DK))
+        self.BV_full = max(16, triton.next_power_of_2(self.DV))
+        self.BK_split = min(CONFIG["block"], self.BK_full)
+        self.BV_split = min(CONFIG["block"], self.BV_full)
+        self.NK = triton.cdiv(self.DK, self.BK_split)
+        self.NV = triton.cdiv(self.DV, self.BV_split)
         if os.environ.get("TRITON_INTERPRET") == "1":
             self.precision = "interpret"
         else:
@@ -314,9 +334,8 @@ class _Launch:
         self.num_warps, self.num_stages = CONFIG["num_warps"], CONFIG["num_stages"]
 
     def common(self):
-        return dict(T=self.T, H=self.H, DK=self.DK, DV=self.DV, BT=self.BT, BK=self.BK, BV=self.BV,
-                    VARLEN=self.cu_seqlens is not None, PRECISION=self.precision, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+        return dict(T=self.T, H=self.H, DK=self.DK, DV=self.DV, BT=self.BT, VARLEN=self.cu_seqlens is not None,
+                    PRECISION=self.precision, num_warps=self.num_warps, num_stages=self.num_stages)
 
     def state(self, *trailing, dtype=torch.float32, device=None):
         return torch.empty(self.N, self.H, *trailing, dtype=dtype, device=device)
@@ -333,10 +352,10 @@ def _forward(q, k, v, g: _Launch, normalize, eps, causal, initial, want_final):
     s_in, z_in, u_in, n_in = initial if initial is not None else (dummy,) * 4
 
     def launch(intra, update, store_o, has_initial, store_final, states):
-        _forward_kernel[g.grid](
+        _forward_kernel[(g.NV, g.N * g.H)](
             q, k, v, o, aux, *states, *final, g.cu_seqlens, eps=eps, NORMALIZE=NORMALIZE_CODES[normalize],
             INTRA=intra, UPDATE=update, STORE_O=store_o, HAS_INITIAL=has_initial, STORE_FINAL=store_final,
-            **g.common())
+            BK=g.BK_full, BV=g.BV_split, **g.common())
 
     if causal:
         launch(True, True, True, initial is not None, want_final, (s_in, z_in, u_in, n_in))
@@ -379,41 +398,43 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     dev, dtype = q.device, q.dtype
     do = do.contiguous()
     dS_T, dz_T, du_T = d_final
-    gscale = delta = dv_extra = du_0 = None
+    # With a per-token scale s (1/den, 1/n), the unnormalized output's gradient is s·dO and that of a = q·z
+    # is δ = s·c. The kernels take dO itself and apply s to fp32 tiles (or to q), never to dO in bf16: in
+    # dO·v_j + c = dO·(v_j − o) the two terms nearly cancel, and rounding s·dO would not cancel with them.
+    scale = center = dv_extra = du_0 = None
+    do_f = do.reshape(g.tokens, g.H, g.DV).float()
     if normalize == "divisive":
-        gscale = 1.0 / aux
-        delta = -(do.float() * o.float()).sum(-1).reshape(g.tokens, g.H) * gscale
+        scale = 1.0 / aux
+        center = -(do_f * o.reshape(do_f.shape).float()).sum(-1)
     elif normalize == "subtractive":
         seg = _segment_index(g, dev)
         u_t, _ = _segment_sums(v.reshape(g.tokens, g.H, g.DV).float(), g, causal=causal)
         n_t, _ = _segment_sums(torch.ones(g.tokens, g.H, dtype=torch.float32, device=dev), g, causal=causal)
         if initial is not None:
             u_t, n_t = u_t + initial[2][seg], n_t + initial[3][seg]
-        gscale = 1.0 / n_t
-        do_f = do.reshape(g.tokens, g.H, g.DV).float()
-        delta = -(do_f * u_t).sum(-1) * gscale ** 2
-        du = do_f * ((1.0 - aux * gscale) * gscale)[..., None]
+        scale = 1.0 / n_t
+        center = -(do_f * u_t).sum(-1) * scale
+        du = do_f * ((1.0 - aux * scale) * scale)[..., None]
         inclusive, du_0 = _segment_sums(du, g, causal=causal)
         dv_extra = du_0[seg] - inclusive + du if causal else inclusive  # Σ over the tokens that see v_j
         if du_T is not None:
             dv_extra, du_0 = dv_extra + du_T[seg], du_0 + du_T
-    has_delta = delta is not None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
-    gscale = dummy if gscale is None else gscale.contiguous()
-    delta = dummy if delta is None else delta.contiguous()
-    block_stride = g.tokens * g.H * g.DK
-    flags = dict(HAS_SCALE=normalize != "none", HAS_DELTA=has_delta, **g.common())
+    flags = dict(HAS_SCALE=scale is not None, HAS_CENTER=center is not None, **g.common())
+    scale = dummy if scale is None else scale.contiguous()
+    center = dummy if center is None else center.contiguous()
+    split_k = dict(BK=g.BK_split, BV=g.BV_full)  # dq, dk: a block of key channels, every value channel
+    split_v = dict(BK=g.BK_full, BV=g.BV_split)  # dv: a block of value channels, every key channel
 
     # dq: forward sweep over the state S (the whole sequence's, when not causal)
     states = initial if causal else final
-    partial_dtype = torch.float32 if g.NV > 1 else dtype  # each value block adds its share to dq and dk
-    dq = torch.empty(g.NV, g.tokens, g.H, g.DK, dtype=partial_dtype, device=dev)
-    _backward_dq_kernel[g.grid](
-        k, v, do, gscale, delta, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
-        block_stride=block_stride, INTRA=causal, HAS_INITIAL=states is not None, **flags)
+    dq = torch.empty_like(q)
+    _backward_dq_kernel[(g.NK, g.N * g.H)](
+        k, v, do, scale, center, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
+        INTRA=causal, HAS_INITIAL=states is not None, **split_k, **flags)
 
-    # dk, dv: reverse sweep over dS = Σ_later qᵀg' (for non-causal, first sum it over the whole sequence)
-    dk = torch.empty(g.NV, g.tokens, g.H, g.DK, dtype=partial_dtype, device=dev)
+    # dk, dv: reverse sweeps over dS = Σ_later qᵀg' (for non-causal, first summed over the whole sequence)
+    dk = torch.empty_like(k)
     # subtractive adds a second term to dv: keep the first in fp32 so the two do not cancel in bf16
     dv = torch.empty_like(v, dtype=torch.float32 if dv_extra is not None else dtype)
     dS_0, dz_0 = g.state(g.DK, g.DV, device=dev), g.state(g.DK, device=dev)
@@ -424,23 +445,25 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     else:
         dS_T = dz_T = dummy
 
-    def sweep(intra, update, store_dkdv, has_final, d_in, store_ds):
-        _backward_dkdv_kernel[g.grid](
-            q, k, v, do, gscale, delta, dk, dv, *d_in, dS_0, dz_0, g.cu_seqlens, block_stride=block_stride,
-            INTRA=intra, UPDATE=update, STORE_DKDV=store_dkdv, HAS_FINAL_GRAD=has_final, STORE_DS=store_ds,
-            **flags)
+    def sweep(for_dk, intra, update, store, has_final, d_in, store_ds):
+        grid = (g.NK if for_dk else g.NV, g.N * g.H)
+        _backward_dk_dv_kernel[grid](
+            q, k, v, do, scale, center, dk, dv, *d_in, dS_0, dz_0, g.cu_seqlens, FOR_DK=for_dk,
+            INTRA=intra, UPDATE=update, STORE=store, HAS_FINAL_GRAD=has_final, STORE_DS=store_ds,
+            **(split_k if for_dk else split_v), **flags)
 
     if causal:
-        sweep(True, True, True, has_final_grad, (dS_T, dz_T), want_d_initial)
+        sweep(True, True, True, True, has_final_grad, (dS_T, dz_T), want_d_initial)
+        sweep(False, True, True, True, has_final_grad, (dS_T, dz_T), False)
     else:
-        sweep(False, True, False, has_final_grad, (dS_T, dz_T), True)
-        sweep(False, False, True, True, (dS_0.clone(), dz_0.clone()), False)
+        sweep(True, False, True, False, has_final_grad, (dS_T, dz_T), True)
+        totals = (dS_0.clone(), dz_0.clone())
+        sweep(True, False, False, True, True, totals, False)
+        sweep(False, False, False, True, True, totals, False)
 
-    dq, dk = (dq.sum(0), dk.sum(0)) if g.NV > 1 else (dq[0], dk[0])
     if dv_extra is not None:
         dv = dv + dv_extra.reshape(dv.shape)
-    shape = q.shape
-    grads = (dq.reshape(shape).to(dtype), dk.reshape(k.shape).to(dtype), dv.to(dtype))
+    grads = (dq, dk, dv.to(dtype))
     if not want_d_initial:
         return grads, (None, None, None)
     return grads, (dS_0, dz_0 if normalize != "none" else None, du_0)
