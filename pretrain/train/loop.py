@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from pretrain.config import ConfigError
 from pretrain.data import TokenLoader, Tokenizer
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import iter_shard_documents
@@ -101,11 +102,18 @@ def train(cfg: DictConfig) -> None:
                                  max_steps=t.max_steps)
     engine = build_engine(cfg, model, world.world_size, schedule)
 
-    tokenizer = Tokenizer(cfg.data.tokenizer)
-    loader = TokenLoader(cfg.data.train_shards, seq_len=t.seq_len, batch_size=t.micro_batch_size, rank=world.rank,
-                         world_size=world.world_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
-                         shuffle_buffer=cfg.data.shuffle_buffer, allow_pipe=cfg.data.allow_pipe,
-                         skip_corrupt=cfg.data.skip_corrupt, tokenizer_sha256=tokenizer.sha256)
+    try:
+        tokenizer = Tokenizer(cfg.data.tokenizer)
+    except (OSError, ValueError) as err:
+        raise ConfigError("data.tokenizer", str(err)) from None
+    try:  # a missing, foreign or too small set of shards (ShardError is a ValueError)
+        loader = TokenLoader(cfg.data.train_shards, seq_len=t.seq_len, batch_size=t.micro_batch_size,
+                             rank=world.rank, world_size=world.world_size, seed=cfg.run.seed,
+                             num_workers=cfg.data.num_workers, shuffle_buffer=cfg.data.shuffle_buffer,
+                             allow_pipe=cfg.data.allow_pipe, skip_corrupt=cfg.data.skip_corrupt,
+                             tokenizer_sha256=tokenizer.sha256)
+    except (OSError, ValueError) as err:
+        raise ConfigError("data.train_shards", str(err)) from None
     counters = Counters()
     writer = MetricsWriter(run_dir, world.is_main)
     resumed = checkpoint.load(engine, ckpt_dir)
@@ -122,7 +130,10 @@ def train(cfg: DictConfig) -> None:
                               keep_last=cfg.checkpoint.keep_last)
         writer.print(f"saved checkpoint {ckpt_dir / tag}")
 
-    val_urls = expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe) if cfg.data.val_shards else []
+    try:
+        val_urls = expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe) if cfg.data.val_shards else []
+    except (OSError, ValueError) as err:
+        raise ConfigError("data.val_shards", str(err)) from None
 
     def validate() -> None:
         documents = (doc.tokens for i, doc in enumerate(chain.from_iterable(map(iter_shard_documents, val_urls)))

@@ -173,6 +173,9 @@ def test_bad_config_names_the_key(lm_data, tmp_path):
     result = launch(tiny_overrides(lm_data, tmp_path / "bad", model__n_heads=3), check=False)
     assert result.returncode == 2 and "model.n_heads" in result.stderr
     assert not (tmp_path / "bad").exists()
+    nowhere = str(tmp_path / "no_shards" / "shard-{000000..000009}.tar")
+    result = launch(tiny_overrides(lm_data, tmp_path / "bad", data__train_shards=nowhere), check=False)
+    assert result.returncode == 1 and "data.train_shards" in result.stderr, result.stderr[-3000:]
 
 
 def test_nonfinite_steps_stop_the_run_keeping_the_last_good_checkpoint(lm_data, tmp_path):
