@@ -219,10 +219,9 @@ def bench(results, lengths, only=None, B=8, H=32, D=128):
 
 def sweep(results, T=8192, B=8, H=32, D=128):
     """Launch settings of our kernels at one length: forward and forward+backward time."""
-    configs = [dict(block_v=64, num_warps=4, num_stages=2), dict(block_v=64, num_warps=4, num_stages=3),
-               dict(block_v=64, num_warps=8, num_stages=2), dict(block_v=128, num_warps=8, num_stages=2),
-               dict(block_v=128, num_warps=4, num_stages=2), dict(block_v=128, num_warps=8, num_stages=3),
-               dict(block_v=32, num_warps=4, num_stages=2)]
+    configs = [dict(block=64, num_warps=8, num_stages=2), dict(block=64, num_warps=8, num_stages=3),
+               dict(block=32, num_warps=8, num_stages=2), dict(block=32, num_warps=4, num_stages=2),
+               dict(block=64, num_warps=4, num_stages=2), dict(block=128, num_warps=8, num_stages=2)]
     rows = []
     default = dict(kernels.CONFIG)
     for cfg in configs:
@@ -278,7 +277,7 @@ def main():
 def table(results):
     log("\n== summary ==")
     for row in results.get("sweep", {}).get("rows", []):
-        log(f"sweep bv={row['block_v']} w={row['num_warps']} s={row['num_stages']} C={row['chunk']}: "
+        log(f"sweep block={row['block']} w={row['num_warps']} s={row['num_stages']} C={row['chunk']}: "
             f"fwd {row['fwd']} fwd+bwd {row['fwd+bwd']} {row['error'] or ''}")
     by = {}
     for r in results.get("bench", []):

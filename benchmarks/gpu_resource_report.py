@@ -3,7 +3,7 @@
     python benchmarks/gpu_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
 
 For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
-(wgmma) instructions in the SASS, and shared memory, per (value block, warps, pipeline stages, chunk). Needs no
+(wgmma) instructions in the SASS, and shared memory, per (channel block, warps, pipeline stages, chunk). Needs no
 GPU: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads it back. Spills are the one
 question about a launch setting that can be answered without the device.
 """
@@ -39,7 +39,7 @@ def signature(fn, dtype, constexprs):
             types[name] = "fp32"
         elif name == "cu_seqlens":
             types[name] = "*i32"
-        elif name in ("q", "k", "v", "o", "g", "dq", "dk", "dv"):
+        elif name in ("q", "k", "v", "o", "g", "dq", "dk"):
             types[name] = f"*{dtype}"
         else:
             types[name] = "*fp32"
@@ -69,7 +69,7 @@ def report(fn, constexprs, warps, stages, arch, dtype):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["64,8,2", "128,8,2", "64,4,2", "32,8,2"],
-                   help="value block, warps, stages")
+                   help="channel block (value channels in forward/dv, key channels in dq/dk), warps, stages")
     p.add_argument("--chunks", nargs="+", type=int, default=[64])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=32)
@@ -80,22 +80,26 @@ def main():
     d = a.head_dim
     scaled = a.normalize != "none"
     for cfg in a.configs:
-        block_v, warps, stages = (int(x) for x in cfg.split(","))
+        block, warps, stages = (int(x) for x in cfg.split(","))
         for chunk in a.chunks:
-            common = dict(H=a.heads, DK=d, DV=d, BK=triton.next_power_of_2(d), BV=block_v, BT=chunk, VARLEN=False,
-                          PRECISION="tf32")
-            forward = dict(common, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
+            full = triton.next_power_of_2(d)
+            common = dict(H=a.heads, DK=d, DV=d, BT=chunk, VARLEN=False, PRECISION="tf32")
+            split_k = dict(common, BK=min(block, full), BV=full)  # dq, dk: a block of key channels
+            split_v = dict(common, BK=full, BV=min(block, full))  # forward, dv: a block of value channels
+            forward = dict(split_v, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
                            STORE_O=True, HAS_INITIAL=False, STORE_FINAL=False)
-            dq = dict(common, INTRA=True, HAS_SCALE=scaled, HAS_DELTA=scaled, HAS_INITIAL=False)
-            dkdv = dict(common, INTRA=True, UPDATE=True, STORE_DKDV=True, HAS_SCALE=scaled, HAS_DELTA=scaled,
-                        HAS_FINAL_GRAD=False, STORE_DS=False)
-            print(f"block_v={block_v} warps={warps} stages={stages} chunk={chunk} ({a.normalize}, {a.dtype}, "
+            flags = dict(HAS_SCALE=scaled, HAS_CENTER=scaled)
+            dq = dict(split_k, INTRA=True, HAS_INITIAL=False, CENTER_FROM_O=a.normalize == "divisive", **flags)
+            sweep = dict(INTRA=True, UPDATE=True, STORE=True, HAS_FINAL_GRAD=False, STORE_DS=False, **flags)
+            dk = dict(split_k, FOR_DK=True, **sweep)
+            dv = dict(split_v, FOR_DK=False, **sweep)
+            print(f"block={block} warps={warps} stages={stages} chunk={chunk} ({a.normalize}, {a.dtype}, "
                   f"sm_{a.arch}, D={d})", flush=True)
             for name, fn, constexprs in (("forward", kernels._forward_kernel, forward),
                                          ("dq", kernels._backward_dq_kernel, dq),
-                                         ("dk,dv", kernels._backward_dkdv_kernel, dkdv)):
+                                         ("dk", kernels._backward_dk_dv_kernel, dk),
+                                         ("dv", kernels._backward_dk_dv_kernel, dv)):
                 print(f"  {name:8s} {report(fn, constexprs, warps, stages, a.arch, a.dtype)}", flush=True)
-
 
 if __name__ == "__main__":
     main()

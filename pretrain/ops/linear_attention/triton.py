@@ -1,17 +1,20 @@
-"""Triton kernels for chunked linear attention (REFERENCE §1, §4, §7): one fused pass forward, two backward.
+"""Triton kernels for chunked linear attention (REFERENCE §1, §4, §7): one fused pass forward, three backward.
 
-Each program owns one (sequence, head, block of value channels) and walks the chunks of its sequence in
-order, carrying the fp32 state ``S = Σ kᵀv`` (and ``z = Σ k``, ``u = Σ v``, ``n`` = tokens seen) in registers:
-per chunk a C×C masked product for the tokens inside it and a product with the state for those before it.
-Nothing of size T/C × d × dv is ever stored, so memory stays O(T·d). Packed documents (``cu_seqlens``) are
-just sequences of their own: every program starts its chunks at its document's first token.
+Each program owns one (sequence, head, block of channels) and walks the chunks of its sequence in order,
+carrying the fp32 state ``S = Σ kᵀv`` (and ``z = Σ k``, ``u = Σ v``, ``n`` = tokens seen) in registers: per
+chunk a C×C masked product for the tokens inside it and a product with the state for those before it. Nothing
+of size T/C × d × dv is ever stored, so memory stays O(T·d). Packed documents (``cu_seqlens``) are sequences
+of their own: every program starts its chunks at its document's first token.
 
-Backward, with ``o = num / den`` (divisive), ``o = num / n + (1 − a / n) u / n`` (subtractive, ``a = q·z``):
-- ``g' = dO · scale`` (scale ``1/den``, ``1/n`` or 1) is the gradient of the unnormalized output ``num``;
-- ``δ`` (``−dO·o / den``, ``−dO·u / n²``) is the gradient of ``a``, a linear attention whose value is 1;
-- dq comes from a forward sweep (``dq_c = tril(g'_c v_cᵀ) k_c + g'_c Sᵀ + δ ⊙ (cumsum k + z)``) and dk, dv from
-  a reverse sweep over ``dS = Σ_later qᵀ g'`` and ``dz = Σ_later δ q``.
-Each program sees only its block of value channels, so dq and dk are summed over those blocks afterwards.
+Backward. Divisive ``o = s·num`` with ``s = 1/den``; subtractive ``o = s·num + (1 − s·a) s·u`` with ``s = 1/n``,
+``a = q·z``. The unnormalized output's gradient is ``s·dO`` and that of ``a`` is ``s·c`` (``c = −dO·o``, or
+``−dO·u·s``): ``a`` is a linear attention whose value is always 1, so ``c`` joins the score gradient dO·vᵀ.
+- dq: a forward sweep, ``dq = s ⊙ [tril(dO vᵀ + c) k + dO Sᵀ + c zᵀ]``;
+- dk, dv: reverse sweeps over ``dS = Σ_later (s q)ᵀ dO`` and ``dz = Σ_later s c q``:
+  ``dk = tril(s ⊙ (dO vᵀ + c))ᵀ q + v dSᵀ + dz``, ``dv = tril(s ⊙ q kᵀ)ᵀ dO + k dS``.
+The forward and dv split the value channels into blocks (each needs every key channel for q kᵀ); dq and dk
+split the key channels (each needs every value channel for dO vᵀ): every program writes whole outputs.
+Subtractive's ``u/n`` terms are elementwise and cumulative sums, done in PyTorch around the kernels.
 
 Non-causal attention runs the same kernels twice: once to sum the whole sequence into a state, once to apply
 that state to every token (``INTRA=False``: no in-chunk term, no running sums).
@@ -154,20 +157,20 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_dq_kernel(
-    k, v, g, scale, center, dq, s_in, z_in, cu_seqlens,
+    k, v, g, o, scale, center, dq, s_in, z_in, cu_seqlens,
     T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, HAS_INITIAL: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, CENTER_FROM_O: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Forward sweep for a block of key channels (all value channels), S and z running over earlier chunks:
-    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]."""
+    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]. CENTER_FROM_O: c = −g·o here (divisive), written for dk."""
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     length = (eos - bos).to(tl.int32)
     k, dq = k + (bos * H + i_h) * DK, dq + (bos * H + i_h) * DK
-    v, g = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV
+    v, g, o = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV, o + (bos * H + i_h) * DV
     scale, center = scale + bos * H + i_h, center + bos * H + i_h
     rows = tl.arange(0, BT)
     ck = i_k * BK + tl.arange(0, BK)
@@ -187,8 +190,12 @@ def _backward_dq_kernel(
         mt = start + rows < length
         g_c = _load(g, length, DV, start, 0, H, BT, BV)
         dq_c = _mm(g_c, tl.trans(S.to(dtype)), None, PRECISION)
-        if HAS_CENTER:
+        if CENTER_FROM_O:
+            c_c = -tl.sum(g_c.to(tl.float32) * _load(o, length, DV, start, 0, H, BT, BV).to(tl.float32), 1)
+            tl.store(center + (start + rows) * H, c_c, mask=mt & (tl.zeros([BT], tl.int32) + i_k == 0))
+        elif HAS_CENTER:
             c_c = tl.load(center + (start + rows) * H, mask=mt, other=0.0)
+        if HAS_CENTER:
             dq_c += c_c[:, None] * z[None, :]
         if INTRA:
             k_c = _load(k, length, DK, start, i_k * BK, H, BT, BK)
@@ -299,8 +306,8 @@ def _backward_dk_dv_kernel(
 
 MAX_HEAD_DIM = 256  # the state block (head dim × value block, fp32) lives in registers
 # Launch settings, fixed (nothing needs a GPU to choose them). Picked from the compiler's resource report for
-# sm_90 (B, H, D = 8, 32, 128 in bf16): with 8 warps and value blocks of 64 the forward and dq kernels keep
-# everything in registers; 4 warps, or blocks of 128, spill. Not yet timed on a GPU: benchmarks/notes_triton.md.
+# sm_90 (B, H, D = 8, 32, 128 in bf16): with 8 warps and channel blocks of 64 no kernel spills (dv: 32 bytes);
+# 4 warps, or blocks of 128, spill. Not yet timed on a GPU: benchmarks/notes_triton.md.
 CONFIG = dict(block=64, num_warps=8, num_stages=2)
 
 
@@ -402,10 +409,9 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     # is δ = s·c. The kernels take dO itself and apply s to fp32 tiles (or to q), never to dO in bf16: in
     # dO·v_j + c = dO·(v_j − o) the two terms nearly cancel, and rounding s·dO would not cancel with them.
     scale = center = dv_extra = du_0 = None
-    do_f = do.reshape(g.tokens, g.H, g.DV).float()
     if normalize == "divisive":
         scale = 1.0 / aux
-        center = -(do_f * o.reshape(do_f.shape).float()).sum(-1)
+        center = torch.empty_like(aux)  # −dO·o, written by the dq sweep
     elif normalize == "subtractive":
         seg = _segment_index(g, dev)
         u_t, _ = _segment_sums(v.reshape(g.tokens, g.H, g.DV).float(), g, causal=causal)
@@ -413,6 +419,7 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
         if initial is not None:
             u_t, n_t = u_t + initial[2][seg], n_t + initial[3][seg]
         scale = 1.0 / n_t
+        do_f = do.reshape(g.tokens, g.H, g.DV).float()
         center = -(do_f * u_t).sum(-1) * scale
         du = do_f * ((1.0 - aux * scale) * scale)[..., None]
         inclusive, du_0 = _segment_sums(du, g, causal=causal)
@@ -421,6 +428,7 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
             dv_extra, du_0 = dv_extra + du_T[seg], du_0 + du_T
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     flags = dict(HAS_SCALE=scale is not None, HAS_CENTER=center is not None, **g.common())
+    center_from_o = normalize == "divisive"
     scale = dummy if scale is None else scale.contiguous()
     center = dummy if center is None else center.contiguous()
     split_k = dict(BK=g.BK_split, BV=g.BV_full)  # dq, dk: a block of key channels, every value channel
@@ -430,8 +438,8 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     states = initial if causal else final
     dq = torch.empty_like(q)
     _backward_dq_kernel[(g.NK, g.N * g.H)](
-        k, v, do, scale, center, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
-        INTRA=causal, HAS_INITIAL=states is not None, **split_k, **flags)
+        k, v, do, o, scale, center, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
+        INTRA=causal, CENTER_FROM_O=center_from_o, HAS_INITIAL=states is not None, **split_k, **flags)
 
     # dk, dv: reverse sweeps over dS = Σ_later qᵀg' (for non-causal, first summed over the whole sequence)
     dk = torch.empty_like(k)
