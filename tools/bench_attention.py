@@ -47,6 +47,8 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "linear": lambda q, k, v: linear_attention(q, k, v, impl="auto"),
     "linear_chunk": lambda q, k, v: linear_attention(q, k, v, impl="chunk"),
     "linear_naive": lambda q, k, v: linear_attention(q, k, v, impl="naive"),
+    "linear_triton": lambda q, k, v: linear_attention(q, k, v, impl="triton"),
+    "fla_chunk": lambda q, k, v: __import__("fla.ops.linear_attn", fromlist=["_"]).chunk_linear_attn(q, k, v, scale=1.0)[0],  # the peer: fla-core
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
