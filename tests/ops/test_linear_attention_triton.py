@@ -138,3 +138,11 @@ def test_state_carries_across_calls():
     second = linear_attention(q[:, 17:], k[:, 17:], v[:, 17:], normalize="subtractive", initial_state=state,
                               impl="triton")
     assert_close(torch.cat([first, second], dim=1), whole, 1e-6, "o split in two")
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="meta tensors stand in for the long input only under the interpreter")
+def test_refuses_a_sequence_too_long_for_32_bit_offsets():
+    """Offsets inside a sequence are 32-bit (64-bit ones spill registers): past that, a clear error, not garbage."""
+    q = torch.empty(1, 2**20, 32, 128, device="meta")
+    with pytest.raises(ValueError, match="32 bits"):
+        linear_attention(q, q, q, impl="triton")

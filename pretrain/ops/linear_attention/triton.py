@@ -56,7 +56,7 @@ def _mm(a, b, acc, PRECISION: tl.constexpr):
 def _tile(base, length, WIDTH: tl.constexpr, row, col, H: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
     """Pointers and mask of rows [row, row + BT) × columns [col, col + BW) of one head of one sequence: a
     [length, WIDTH] slice, rows H·WIDTH apart, of a [tokens, H, WIDTH] tensor whose first row starts at ``base``."""
-    r = row + tl.arange(0, BT)
+    r = row + tl.arange(0, BT)  # 32-bit offsets within a sequence (64-bit ones spill): _Launch checks they fit
     c = col + tl.arange(0, BW)
     return base + r[:, None] * (H * WIDTH) + c[None, :], (r < length)[:, None] & (c < WIDTH)[None, :]
 
@@ -326,6 +326,11 @@ class _Launch:
                              f"got q/k {self.DK}, v {self.DV}")
         self.cu_seqlens = cu_seqlens
         self.N = batch if cu_seqlens is None else cu_seqlens.numel() - 1
+        longest = self.T if cu_seqlens is None else int(cu_seqlens.diff().max())
+        if longest * self.H * max(self.DK, self.DV) >= 2**31:
+            raise ValueError(f"impl='triton' indexes within a sequence in 32 bits: a sequence of {longest} tokens "
+                             f"× {self.H} heads × {max(self.DK, self.DV)} channels is too long; split it and "
+                             "carry the state (initial_state / output_final_state)")
         self.tokens = batch * self.T
         self.BT = max(16, chunk_size)  # the tiling only: results do not depend on it; tl.dot needs ≥ 16
         self.BK_full = max(16, triton.next_power_of_2(self.DK))
