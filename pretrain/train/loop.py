@@ -148,7 +148,10 @@ def train(cfg: DictConfig) -> None:
         writer.print(f"step {counters.step} | val loss {loss:.4f} | val ppl {math.exp(loss):.2f}")
 
     stop = StopRequest()
-    batches = iter(loader)
+    with stop.held_from_child_processes():  # the first batch starts the loader's worker processes
+        batches = iter(loader)
+        first = next(batches)
+    batches = chain([first], batches)
     tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * world.world_size
     peak_flops = device_peak_flops(world.device)
     interval_start, interval_steps = time.perf_counter(), 0
