@@ -315,7 +315,7 @@ class _Launch:
     """Geometry of one call: tokens laid out [B*T, H, D]; programs over (channel block, sequence × head).
 
     The forward and dv split the value channels into blocks (each needs every key channel for q kᵀ); dq and
-    dk split the key channels (each needs every value channel for g' vᵀ). So every program writes whole
+    dk split the key channels (each needs every value channel for dO vᵀ). So every program writes whole
     outputs: no partial sums."""
 
     def __init__(self, q, v, cu_seqlens, chunk_size):
@@ -446,7 +446,7 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
         k, v, do, o, scale, center, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
         INTRA=causal, CENTER_FROM_O=center_from_o, HAS_INITIAL=states is not None, **split_k, **flags)
 
-    # dk, dv: reverse sweeps over dS = Σ_later qᵀg' (for non-causal, first summed over the whole sequence)
+    # dk, dv: reverse sweeps over dS = Σ_later (s q)ᵀ dO (for non-causal, first summed over the whole sequence)
     dk = torch.empty_like(k)
     # subtractive adds a second term to dv: keep the first in fp32 so the two do not cancel in bf16
     dv = torch.empty_like(v, dtype=torch.float32 if dv_extra is not None else dtype)
