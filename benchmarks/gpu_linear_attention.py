@@ -123,8 +123,8 @@ def ceilings(results):
 # --------------------------------------------------------------------------------------------- benchmarks
 def flops_per_token_head(dk, dv, chunk, fwd_only):
     """The kernels' own FLOP count (multiply-add = 2): C×C tiles counted whole, states dk×dv."""
-    fwd = 2 * chunk * (dk + dv) + 4 * dk * dv
-    bwd = 6 * chunk * (dk + dv) + 10 * dk * dv
+    fwd = 2 * chunk * (dk + dv) + 4 * dk * dv  # q kᵀ, A v, q S, kᵀ v
+    bwd = 3 * (2 * chunk * (dk + dv) + 4 * dk * dv)  # three sweeps, each two C×C products and two with a state
     return fwd if fwd_only else fwd + bwd
 
 
