@@ -135,8 +135,8 @@ def run_probe(name: str, seq_len: int, args) -> dict:
 
 
 def common_flags(args) -> list[str]:
-    return ["--device", args.device, "--batch", str(args.batch), "--heads", str(args.heads),
-            "--head-dim", str(args.head_dim), "--dtype", args.dtype]
+    return ["--device", args.device, "--threads", str(args.threads), "--batch", str(args.batch),
+            "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--dtype", args.dtype]
 
 
 def measure_length(seq_len: int, args) -> list[dict]:
@@ -234,6 +234,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="CPU threads for every mixer (PyTorch's default here: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timing rounds per length (median reported)")
     p.add_argument("--budget-s", type=float, default=60.0,
                    help="a mixer whose probe says its rounds would take longer keeps its single probe timing")
@@ -257,6 +259,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     if args.probe:
         print(json.dumps(probe(args)))
         return
@@ -264,8 +267,8 @@ def main(argv=None):
     for seq_len in tqdm(args.seq_lens, desc="lengths"):
         records += measure_length(seq_len, args)
         for r in records[-len(args.mixers):]:
-            shown = r["status"] if r["status"] != "ok" else (
-                f"fwd {r['fwd_ms']:.1f} ms  fwd+bwd {r['fwd_bwd_ms']:.1f} ms  peak {r['peak_mem_bytes'] / 2**20:.0f} MiB")
+            shown = r["status"] if r["status"] != "ok" else (f"fwd {r['fwd_ms']:.1f} ms  fwd+bwd {r['fwd_bwd_ms']:.1f} ms  "
+                                                             f"peak {r['peak_mem_bytes'] / 2**20:.0f} MiB")
             tqdm.write(f"T={seq_len:>6}  {r['mixer']:<14} {shown}")
     title = (f"{records[0]['device']}, B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}, "
              f"{torch.get_num_threads()} threads")

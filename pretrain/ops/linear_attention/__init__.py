@@ -24,7 +24,8 @@ def linear_attention(
 ):
     """Linear attention over ``[B, T, H, D]`` (q, k already feature-mapped; v ``[B, T, H, Dv]``).
 
-    normalize: ``none`` (φ(q)ᵀS), ``divisive`` (φ(q)ᵀS / (φ(q)·z + eps)) or ``subtractive`` (InLine).
+    normalize: ``none`` (φ(q)ᵀS), ``divisive`` (φ(q)ᵀS / (φ(q)·z + eps)) or ``subtractive``
+    (InLine, REFERENCE §4; ``eps`` unused: the count n_t is at least 1).
     causal: prefix sums (inclusive) or, when False, the sums over the whole sequence (or document).
     cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
     initial_state / output_final_state: a ``LinearAttentionState`` per sequence (or per document), so a long
