@@ -80,130 +80,173 @@ def _stop_requested(stop: StopRequest, world: World) -> bool:
     return bool(flag)
 
 
-def _client_state(counters: Counters, loader: TokenLoader, world: World) -> dict:
-    return {"counters": asdict(counters), "data": loader.state_dict(), "rng": rng_state(),
-            "world_size": world.world_size}
+class Throughput:
+    """Tokens/s and achieved FLOP/s over the training steps since the last report (pauses are not counted)."""
+
+    def __init__(self, tokens_per_step: int, train_flops_per_token: float, world_size: int):
+        self.tokens_per_step, self.flops_per_token, self.world_size = tokens_per_step, train_flops_per_token, world_size
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def report(self) -> dict[str, float]:
+        tokens_per_s = self.steps * self.tokens_per_step / (time.perf_counter() - self.start)
+        self.restart()
+        per_rank = tokens_per_s / self.world_size
+        return {"train/tokens_per_s": tokens_per_s, "train/tokens_per_s_per_rank": per_rank,
+                "train/flops_per_s_per_rank": self.flops_per_token * per_rank}
 
 
-def train(cfg: DictConfig) -> None:
-    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
-    world = init_process_group()
-    run_dir = prepare_run_dir(cfg, world.is_main)
-    ckpt_dir = run_dir / "checkpoints"
-    t = cfg.train
-
-    seed_everything(cfg.run.seed)  # the same initial weights on every rank
-    model = build_lm(cfg.model)
-    flops_per_token = model.flops_per_token(t.seq_len)  # before ZeRO-3 partitions the weights
-    if cfg.deepspeed.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
-                                 warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
-                                 max_steps=t.max_steps)
-    engine = build_engine(cfg, model, world.world_size, schedule)
-
+def _open_data(cfg: DictConfig, world: World) -> tuple[Tokenizer, TokenLoader, list[str]]:
+    """The run's tokenizer, this rank's training stream and the validation shards; bad paths name their key."""
     try:
         tokenizer = Tokenizer(cfg.data.tokenizer)
     except (OSError, ValueError) as err:
         raise ConfigError("data.tokenizer", str(err)) from None
     try:  # a missing, foreign or too small set of shards (ShardError is a ValueError)
-        loader = TokenLoader(cfg.data.train_shards, seq_len=t.seq_len, batch_size=t.micro_batch_size,
+        loader = TokenLoader(cfg.data.train_shards, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size,
                              rank=world.rank, world_size=world.world_size, seed=cfg.run.seed,
                              num_workers=cfg.data.num_workers, shuffle_buffer=cfg.data.shuffle_buffer,
                              allow_pipe=cfg.data.allow_pipe, skip_corrupt=cfg.data.skip_corrupt,
                              tokenizer_sha256=tokenizer.sha256)
     except (OSError, ValueError) as err:
         raise ConfigError("data.train_shards", str(err)) from None
-    counters = Counters()
-    writer = MetricsWriter(run_dir, world.is_main)
-    resumed = checkpoint.load(engine, ckpt_dir)
-    if resumed is None:
-        writer.text("config", "```\n" + OmegaConf.to_yaml(cfg) + "```")
-    else:
-        counters = Counters(**resumed["counters"])
-        loader.load_state_dict(resumed["data"])
-        set_rng_state(resumed["rng"])
-        writer.print(f"resumed from {ckpt_dir / checkpoint.latest_tag(ckpt_dir)} at step {counters.step}")
-
-    def save() -> None:
-        tag = checkpoint.save(engine, ckpt_dir, counters.step, _client_state(counters, loader, world),
-                              keep_last=cfg.checkpoint.keep_last)
-        writer.print(f"saved checkpoint {ckpt_dir / tag}")
-
     try:
         val_urls = expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe) if cfg.data.val_shards else []
     except (OSError, ValueError) as err:
         raise ConfigError("data.val_shards", str(err)) from None
+    return tokenizer, loader, val_urls
 
-    def validate() -> None:
-        documents = (doc.tokens for i, doc in enumerate(chain.from_iterable(map(iter_shard_documents, val_urls)))
+
+class Trainer:
+    """Everything one rank holds for a run, and the loop that steps it."""
+
+    def __init__(self, cfg: DictConfig):
+        self.cfg, t = cfg, cfg.train
+        self.world = init_process_group()
+        self.run_dir = prepare_run_dir(cfg, self.world.is_main)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.tokenizer, self.loader, self.val_urls = _open_data(cfg, self.world)
+
+        seed_everything(cfg.run.seed)  # the same initial weights on every rank
+        model = build_lm(cfg.model)
+        train_flops_per_token = 3 * model.flops_per_token(t.seq_len)  # before ZeRO-3 partitions the weights
+        if cfg.deepspeed.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
+                                     warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
+                                     max_steps=t.max_steps)
+        self.engine = build_engine(cfg, model, self.world.world_size, schedule)
+
+        self.writer = MetricsWriter(self.run_dir, self.world.is_main)
+        self.counters = Counters()
+        self.tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.world.world_size
+        self.throughput = Throughput(self.tokens_per_step, train_flops_per_token, self.world.world_size)
+        self.peak_flops = device_peak_flops(self.world.device)
+
+    def resume(self) -> None:
+        """Continue from the latest checkpoint if there is one: weights, optimizer, LR, data, RNG, counters."""
+        resumed = checkpoint.load(self.engine, self.ckpt_dir)
+        if resumed is None:
+            self.writer.text("config", "```\n" + OmegaConf.to_yaml(self.cfg) + "```")
+            return
+        self.counters = Counters(**resumed["counters"])
+        self.loader.load_state_dict(resumed["data"])
+        set_rng_state(resumed["rng"])
+        self.writer.print(f"resumed from {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)} "
+                          f"at step {self.counters.step}")
+
+    def save(self) -> None:
+        state = {"counters": asdict(self.counters), "data": self.loader.state_dict(), "rng": rng_state(),
+                 "world_size": self.world.world_size}
+        tag = checkpoint.save(self.engine, self.ckpt_dir, self.counters.step, state,
+                              keep_last=self.cfg.checkpoint.keep_last)
+        self.writer.print(f"saved checkpoint {self.ckpt_dir / tag}")
+
+    def validate(self) -> None:
+        """Loss over the validation shards' documents (round-robin over ranks), scored as eval_ppl scores them."""
+        world, t = self.world, self.cfg.train
+        documents = (doc.tokens for i, doc in enumerate(chain.from_iterable(map(iter_shard_documents, self.val_urls)))
                      if i % world.world_size == world.rank)
-        engine.eval()
-        nll, tokens = score_documents(engine, documents, seq_len=t.seq_len, stride=t.seq_len,
-                                      batch_size=t.micro_batch_size, eos_id=tokenizer.eos_id, device=world.device,
-                                      max_batches=cfg.log.val_batches)
-        engine.train()
+        self.engine.eval()
+        nll, tokens = score_documents(self.engine, documents, seq_len=t.seq_len, stride=t.seq_len,
+                                      batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id,
+                                      device=world.device, max_batches=self.cfg.log.val_batches)
+        self.engine.train()
         loss = nll / tokens
-        writer.scalars(counters.step, {"val/loss": loss, "val/ppl": math.exp(loss), "val/tokens": tokens})
-        writer.print(f"step {counters.step} | val loss {loss:.4f} | val ppl {math.exp(loss):.2f}")
+        self.writer.scalars(self.counters.step, {"val/loss": loss, "val/ppl": math.exp(loss), "val/tokens": tokens})
+        self.writer.print(f"step {self.counters.step} | val loss {loss:.4f} | val ppl {math.exp(loss):.2f}")
 
-    stop = StopRequest()
-    with stop.held_from_child_processes():  # the first batch starts the loader's worker processes
-        batches = iter(loader)
-        first = next(batches)
-    batches = chain([first], batches)
-    tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * world.world_size
-    peak_flops = device_peak_flops(world.device)
-    interval_start, interval_steps = time.perf_counter(), 0
-    while counters.step < t.max_steps:
-        lr = engine.get_lr()[0]
-        loss, grad_norm = train_step(engine, batches, world, t.grad_accum_steps)
-        counters.step += 1
-        counters.tokens_seen += tokens_per_step
-        interval_steps += 1
-        if loss is None or not math.isfinite(grad_norm):
-            counters.nonfinite_skipped += 1
-            counters.nonfinite_in_a_row += 1
-            what = "loss, step skipped" if loss is None else f"gradient norm ({grad_norm})"
-            writer.print(f"step {counters.step}: non-finite {what} ({counters.nonfinite_in_a_row} in a row, "
-                         f"{counters.nonfinite_skipped} in all)")
-            if counters.nonfinite_in_a_row >= t.max_nonfinite_steps:
-                latest = checkpoint.latest_tag(ckpt_dir)
-                raise NonFiniteLossError(
-                    f"{counters.nonfinite_in_a_row} non-finite steps in a row (train.max_nonfinite_steps="
-                    f"{t.max_nonfinite_steps}) at step {counters.step}; stopping. The last good checkpoint is "
-                    f"{ckpt_dir / latest if latest else 'none (no checkpoint was saved yet)'}")
-        else:
-            counters.nonfinite_in_a_row = 0
+    def count_bad_step(self, loss: float | None, grad_norm: float) -> None:
+        """Count a non-finite step; stop the run after ``train.max_nonfinite_steps`` of them in a row."""
+        c, limit = self.counters, self.cfg.train.max_nonfinite_steps
+        c.nonfinite_skipped += 1
+        c.nonfinite_in_a_row += 1
+        what = "loss, step skipped" if loss is None else f"gradient norm ({grad_norm})"
+        self.writer.print(f"step {c.step}: non-finite {what} ({c.nonfinite_in_a_row} in a row, "
+                          f"{c.nonfinite_skipped} in all)")
+        if c.nonfinite_in_a_row >= limit:
+            latest = checkpoint.latest_tag(self.ckpt_dir)
+            raise NonFiniteLossError(
+                f"{c.nonfinite_in_a_row} non-finite steps in a row (train.max_nonfinite_steps={limit}) at step "
+                f"{c.step}; stopping. The last good checkpoint is "
+                f"{self.ckpt_dir / latest if latest else 'none (no checkpoint was saved yet)'}")
 
-        if counters.nonfinite_in_a_row == 0 and counters.step % cfg.log.every == 0:
-            elapsed = time.perf_counter() - interval_start
-            tokens_per_s = interval_steps * tokens_per_step / elapsed
-            flops_per_s = 3 * flops_per_token * tokens_per_s / world.world_size  # training ≈ 3× forward
-            values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
-                      "train/tokens_per_s": tokens_per_s, "train/tokens_per_s_per_rank": tokens_per_s / world.world_size,
-                      "train/flops_per_s_per_rank": flops_per_s, "train/peak_memory_bytes": peak_memory_bytes(world.device),
-                      "train/epoch": loader.epoch, "train/tokens_seen": counters.tokens_seen,
-                      "train/nonfinite_skipped": counters.nonfinite_skipped}
-            if peak_flops:
-                values["train/mfu"] = flops_per_s / peak_flops
-            writer.scalars(counters.step, values)
-            writer.print(f"step {counters.step}/{t.max_steps} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
-                         f"{tokens_per_s:,.0f} tok/s | {flops_per_s / 1e12:.3f} TFLOP/s/rank"
-                         + (f" | MFU {values['train/mfu']:.1%}" if peak_flops else "")
-                         + f" | epoch {loader.epoch}")
-            interval_start, interval_steps = time.perf_counter(), 0
+    def log(self, loss: float, grad_norm: float, lr: float) -> None:
+        values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, **self.throughput.report(),
+                  "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.loader.epoch,
+                  "train/tokens_seen": self.counters.tokens_seen,
+                  "train/nonfinite_skipped": self.counters.nonfinite_skipped}
+        mfu = ""
+        if self.peak_flops:
+            values["train/mfu"] = values["train/flops_per_s_per_rank"] / self.peak_flops
+            mfu = f" | MFU {values['train/mfu']:.1%}"
+        self.writer.scalars(self.counters.step, values)
+        self.writer.print(f"step {self.counters.step}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                          f"grad {grad_norm:.3f} | {values['train/tokens_per_s']:,.0f} tok/s | "
+                          f"{values['train/flops_per_s_per_rank'] / 1e12:.3f} TFLOP/s/rank{mfu} | "
+                          f"epoch {self.loader.epoch}")
 
-        if cfg.data.val_shards and counters.step % cfg.log.val_every == 0:
-            validate()
-        stopping = _stop_requested(stop, world)
-        due = counters.step % cfg.checkpoint.every == 0 or counters.step == t.max_steps or stopping
-        if due and counters.nonfinite_in_a_row == 0:  # never replace a good checkpoint by a diverging state
-            save()
-        if counters.step % cfg.log.val_every == 0 or due:  # throughput counts training steps only
-            interval_start, interval_steps = time.perf_counter(), 0
-        if stopping:
-            writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {counters.step}; "
-                         "relaunch the same command to resume")
-            break
-    writer.close()
+    def run(self) -> None:
+        cfg, c, world = self.cfg, self.counters, self.world
+        stop = StopRequest()
+        with stop.held_from_child_processes():  # the first batch starts the loader's worker processes
+            batches = iter(self.loader)
+            first = next(batches)
+        batches = chain([first], batches)
+        self.throughput.restart()
+        while c.step < cfg.train.max_steps:
+            lr = self.engine.get_lr()[0]
+            loss, grad_norm = train_step(self.engine, batches, world, cfg.train.grad_accum_steps)
+            c.step += 1
+            c.tokens_seen += self.tokens_per_step
+            self.throughput.steps += 1
+            if loss is None or not math.isfinite(grad_norm):
+                self.count_bad_step(loss, grad_norm)
+            else:
+                c.nonfinite_in_a_row = 0
+                if c.step % cfg.log.every == 0:
+                    self.log(loss, grad_norm, lr)
+
+            stopping = _stop_requested(stop, world)
+            validating = bool(self.val_urls) and c.step % cfg.log.val_every == 0
+            saving = c.step % cfg.checkpoint.every == 0 or c.step == cfg.train.max_steps or stopping
+            if validating:
+                self.validate()
+            if saving and c.nonfinite_in_a_row == 0:  # never replace a good checkpoint by a diverging state
+                self.save()
+            if validating or saving:
+                self.throughput.restart()
+            if stopping:
+                self.writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {c.step}; "
+                                  "relaunch the same command to resume")
+                break
+        self.writer.close()
+
+
+def train(cfg: DictConfig) -> None:
+    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
+    trainer = Trainer(cfg)
+    trainer.resume()
+    trainer.run()

@@ -196,3 +196,19 @@ def test_nonfinite_steps_stop_the_run_keeping_the_last_good_checkpoint(lm_data, 
     assert "non-finite" in result.stdout and good_step + 3 not in metrics
     weights = checkpoint.load_model_weights(run / "checkpoints", good, zero_stage=0)
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_dry_run_prints_sizes_as_json_in_seconds():
+    """--dry-run wires the launcher to pretrain.estimate: a 1B config on the meta device, no training, no data."""
+    def dry_run(world_size):
+        start = time.time()
+        result = subprocess.run([PYTHON, "launch/pretrain.py", "--config", "configs/softmax_lm_1b.yaml", "--dry-run",
+                                 "--world-size", str(world_size)],
+                                cwd=REPO, capture_output=True, text=True, check=True)
+        assert time.time() - start < 120
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    one, eight = dry_run(1), dry_run(8)
+    assert 0.9e9 < one["parameters"] == eight["parameters"] < 2e9
+    assert one["flops_per_token"] > 6 * one["parameters"]  # 3 × forward, attention included
+    assert eight["memory_per_rank_bytes"] < one["memory_per_rank_bytes"]  # ZeRO shards states over ranks
