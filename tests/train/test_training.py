@@ -212,3 +212,17 @@ def test_dry_run_prints_sizes_as_json_in_seconds():
     assert 0.9e9 < one["parameters"] == eight["parameters"] < 2e9
     assert one["flops_per_token"] > 6 * one["parameters"]  # 3 × forward, attention included
     assert eight["memory_per_rank_bytes"] < one["memory_per_rank_bytes"]  # ZeRO shards states over ranks
+
+
+def test_gradient_accumulation_reproduces_the_larger_micro_batch(lm_data, tmp_path):
+    """Two accumulated micro-batches of 2 rows (ZeRO 2) step like one of 4 rows (no ZeRO): same rows, same mean."""
+    runs = {"whole": dict(deepspeed__zero_stage=0, train__micro_batch_size=4, train__grad_accum_steps=1),
+            "accumulated": dict(deepspeed__zero_stage=2, train__micro_batch_size=2, train__grad_accum_steps=2)}
+    metrics = {}
+    for name, extra in runs.items():
+        launch(tiny_overrides(lm_data, tmp_path / name, train__max_steps=8, data__val_shards="null", **extra))
+        metrics[name] = read_metrics(tmp_path / name)
+    assert metrics["accumulated"][8]["train/tokens_seen"] == metrics["whole"][8]["train/tokens_seen"]
+    for step in range(1, 9):
+        for key in ("train/loss", "train/grad_norm"):
+            assert metrics["accumulated"][step][key] == pytest.approx(metrics["whole"][step][key], rel=1e-5)
