@@ -5,6 +5,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from pretrain.config import ConfigError
+
 
 def deepspeed_config(cfg: DictConfig, world_size: int) -> dict:
     """The DeepSpeed JSON config for ``cfg`` (already validated) on ``world_size`` ranks; ``deepspeed.extra`` is
@@ -59,6 +61,9 @@ def build_engine(cfg: DictConfig, model: nn.Module, world_size: int, lr_at_step:
     """Wrap ``model`` in a DeepSpeed engine whose scheduler sets the LR of optimizer step k to ``lr_at_step(k)``."""
     import deepspeed
 
+    if cfg.deepspeed.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("deepspeed.precision", "fp16 needs a CUDA device (DeepSpeed has no fp16 on CPU); "
+                                                 "use bf16 or fp32")
     base_lr = float(cfg.optim.lr)
 
     def scheduler(optimizer):
