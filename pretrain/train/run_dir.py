@@ -31,10 +31,11 @@ def changed_keys(saved: DictConfig, new: DictConfig) -> list[str]:
 
 
 def prepare_run_dir(cfg: DictConfig, is_main: bool) -> Path:
-    """Create the run directory and save ``config.yaml``; on a relaunch, refuse a config that changed the run."""
+    """Create the run directory and save ``config.yaml``. A run with a checkpoint is resumed by a relaunch, so
+    there a config that changes the run is refused; a run that never saved one takes the new config."""
     run_dir = Path(cfg.run.dir)
     saved_path = run_dir / "config.yaml"
-    if saved_path.exists():
+    if saved_path.exists() and (run_dir / "checkpoints" / "latest").exists():
         changed = changed_keys(OmegaConf.load(saved_path), cfg)
         if changed:
             raise ConfigError(changed[0], f"differs from the run's saved {saved_path} (changed: {', '.join(changed)});"

@@ -44,15 +44,20 @@ def test_relaunch_may_change_max_steps_logging_and_checkpointing_only():
         "model.mixer_options.linear.eps"]
 
 
-def test_prepare_run_dir_refuses_a_changed_run_and_keeps_its_config(tmp_path):
-    cfg = config(run__dir=str(tmp_path / "run"), data__tokenizer="t.model", data__train_shards="s.tar")
-    prepare_run_dir(cfg, is_main=True)
+def test_prepare_run_dir_refuses_to_change_a_run_with_checkpoints(tmp_path):
+    def run(**dotted):
+        return config(run__dir=str(tmp_path / "run"), data__tokenizer="t.model", data__train_shards="s.tar", **dotted)
+
+    prepare_run_dir(run(), is_main=True)
+    prepare_run_dir(run(train__seq_len=64), is_main=True)  # nothing saved to resume yet: the new config wins
+    assert "seq_len: 64" in (tmp_path / "run" / "config.yaml").read_text()
+
+    (tmp_path / "run" / "checkpoints").mkdir()
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step00000010")
+    prepare_run_dir(run(train__seq_len=64, train__max_steps=7), is_main=True)
     saved = (tmp_path / "run" / "config.yaml").read_text()
-    prepare_run_dir(config(**{"run__dir": cfg.run.dir, "data__tokenizer": "t.model", "data__train_shards": "s.tar",
-                              "train__max_steps": 7}), is_main=True)
-    changed = config(run__dir=cfg.run.dir, data__tokenizer="t.model", data__train_shards="other.tar")
+    assert "max_steps: 7" in saved
     with pytest.raises(ConfigError, match="data.train_shards") as error:
-        prepare_run_dir(changed, is_main=True)
+        prepare_run_dir(run(train__seq_len=64, train__max_steps=7, data__train_shards="other.tar"), is_main=True)
     assert error.value.key == "data.train_shards"
-    assert "max_steps: 7" in (tmp_path / "run" / "config.yaml").read_text()
-    assert saved.replace("max_steps: 1000", "max_steps: 7") == (tmp_path / "run" / "config.yaml").read_text()
+    assert (tmp_path / "run" / "config.yaml").read_text() == saved
