@@ -46,7 +46,8 @@ def test_relaunch_may_change_max_steps_logging_and_checkpointing_only():
 
 def test_prepare_run_dir_refuses_to_change_a_run_with_checkpoints(tmp_path):
     def run(**dotted):
-        return config(run__dir=str(tmp_path / "run"), data__tokenizer="t.model", data__train_shards="s.tar", **dotted)
+        return config(**{"run__dir": str(tmp_path / "run"), "data__tokenizer": "t.model",
+                         "data__train_shards": "s.tar", **dotted})
 
     prepare_run_dir(run(), is_main=True)
     prepare_run_dir(run(train__seq_len=64), is_main=True)  # nothing saved to resume yet: the new config wins
