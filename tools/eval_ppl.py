@@ -4,8 +4,8 @@
     python tools/eval_ppl.py --run runs/tiny_lm --data wiki.test.raw --json
     python tools/eval_ppl.py --run runs/tiny_lm --tag step00000500 --data 'shards/val/shard-{000000..000009}.tar'
 
-Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (``.tar``
-names or patterns) are read document by document. Every token, each document's end-of-sequence included, is scored
+Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (a shard
+directory, or ``.tar`` names and patterns) are read document by document. Every token, each document's end-of-sequence included, is scored
 once, with the same windows as the trainer's validation (``pretrain/train/evaluate.py``); ``--stride`` below
 ``--seq-len`` gives long documents overlapping context. Reported:
   tokens         scored tokens
@@ -14,6 +14,7 @@ once, with the same windows as the trainer's validation (``pretrain/train/evalua
   word_ppl       exp(total NLL / (whitespace words + lines)): one end-of-line per line, the WikiText convention
 """
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -22,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 
-def is_shard_pattern(path: str) -> bool:
-    return path.endswith(".tar") or path.startswith("pipe:")
+def is_shards(path: str) -> bool:
+    """A shard directory (its manifest lists the shards), a .tar name or pattern, or a pipe: URL."""
+    return Path(path).is_dir() or path.endswith(".tar") or path.startswith("pipe:")
 
 
 def word_units(text: str) -> int:
@@ -38,7 +40,7 @@ def documents(paths: list[str], tokenizer, allow_pipe: bool):
     from pretrain.data import read_documents
 
     for path in paths:
-        if is_shard_pattern(path):
+        if is_shards(path):
             for doc in read_documents(path, allow_pipe=allow_pipe):
                 yield doc.tokens, doc.num_bytes, word_units(tokenizer.decode(doc.tokens[:-1]))
         else:
@@ -49,18 +51,8 @@ def documents(paths: list[str], tokenizer, allow_pipe: bool):
             yield tokens, len(text.encode("utf-8")), word_units(text)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
-    parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
-    parser.add_argument("--data", required=True, nargs="+", help="text files and/or shard patterns (.tar)")
-    parser.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
-    parser.add_argument("--stride", type=int, help="window start every S tokens (default: --seq-len, no overlap)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
-    args = parser.parse_args(argv)
-
+def evaluate(args: argparse.Namespace) -> dict:
+    """Load the run's checkpoint and tokenizer, score ``args.data``, and return the figures."""
     import torch
     from tqdm import tqdm
 
@@ -75,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = run / "checkpoints"
     tag = checkpoint.latest_tag(ckpt_dir) if args.tag == "latest" else args.tag
     if tag is None:
-        print(f"error: {ckpt_dir} has no 'latest' checkpoint; pass --tag", file=sys.stderr)
-        return 1
+        raise FileNotFoundError(f"{ckpt_dir} has no 'latest' checkpoint; pass --tag")
     seq_len = args.seq_len or cfg.train.seq_len
     stride = args.stride or seq_len
 
     model = build_lm(cfg.model)
-    model.load_state_dict(checkpoint.load_model_weights(ckpt_dir, tag, zero_stage=cfg.deepspeed.zero_stage))
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's zero_to_fp32 reports on stdout; keep it for results
+        weights = checkpoint.load_model_weights(ckpt_dir, tag, zero_stage=cfg.deepspeed.zero_stage)
+    model.load_state_dict(weights)
     device = torch.device(args.device)
     model.to(device).eval()
     tokenizer = Tokenizer(cfg.data.tokenizer)
@@ -94,10 +87,29 @@ def main(argv: list[str] | None = None) -> int:
                                       progress=bar)
     num_bytes = sum(b for _, b, _ in docs)
     words = sum(w for _, _, w in docs)
-    result = {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
-              "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
-              "bytes": num_bytes, "words": words, "checkpoint": str(ckpt_dir / tag), "seq_len": seq_len,
-              "stride": stride}
+    return {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
+            "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
+            "bytes": num_bytes, "words": words, "checkpoint": str(ckpt_dir / tag), "seq_len": seq_len, "stride": stride}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
+    parser.add_argument("--data", required=True, nargs="+",
+                        help="text files, shard directories and/or shard patterns (.tar)")
+    parser.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
+    parser.add_argument("--stride", type=int, help="window start every S tokens (default: --seq-len, no overlap)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    args = parser.parse_args(argv)
+
+    try:
+        result = evaluate(args)
+    except (OSError, ValueError) as err:  # a missing run, tag or file; a bad config or shard (all ValueErrors)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result))
     else:
