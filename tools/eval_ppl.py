@@ -1,8 +1,11 @@
 #!/usr/bin/env python
-"""Perplexity of a trained run on text files or token shards, from a checkpoint of any ZeRO stage, on one process.
+"""Perplexity of a trained run on text files or token shards, from a checkpoint of any ZeRO stage.
 
     python tools/eval_ppl.py --run runs/tiny_lm --data wiki.test.raw --json
     python tools/eval_ppl.py --run runs/tiny_lm --tag step00000500 --data 'shards/val/shard-{000000..000009}.tar'
+    torchrun --nproc_per_node 4 tools/eval_ppl.py --run-dir runs/tiny_lm --data shards/val   # documents split over ranks
+
+(``--run-dir`` is ``--run`` under another name: torchrun takes ``--run`` for an abbreviation of its ``--run-path``.)
 
 Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (a shard
 directory, or ``.tar`` names and patterns) are read document by document. Every token, each document's end-of-sequence included, is scored
@@ -17,6 +20,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +55,11 @@ def documents(paths: list[str], tokenizer, allow_pipe: bool):
             yield tokens, len(text.encode("utf-8")), word_units(text)
 
 
+def launched_ranks() -> bool:
+    """Whether a launcher (torchrun, deepspeed) started this process as one of several ranks."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     """Load the run's checkpoint and tokenizer, score ``args.data``, and return the figures."""
     import torch
@@ -71,30 +80,42 @@ def evaluate(args: argparse.Namespace) -> dict:
     seq_len = args.seq_len or cfg.train.seq_len
     stride = args.stride or seq_len
 
+    if launched_ranks():  # every rank scores its share of the documents; score_documents sums over ranks
+        from pretrain.distributed import init_process_group
+
+        world = init_process_group()
+        rank, world_size, device = world.rank, world.world_size, world.device
+    else:
+        rank, world_size, device = 0, 1, torch.device(args.device)
+
     model = build_lm(cfg.model)
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's zero_to_fp32 reports on stdout; keep it for results
         weights = checkpoint.load_model_weights(ckpt_dir, tag, zero_stage=cfg.deepspeed.zero_stage)
     model.load_state_dict(weights)
-    device = torch.device(args.device)
     model.to(device).eval()
     tokenizer = Tokenizer(cfg.data.tokenizer)
 
-    docs = list(documents(args.data, tokenizer, cfg.data.allow_pipe))
-    total_tokens = sum(len(tokens) for tokens, _, _ in docs)
-    with tqdm(total=total_tokens, unit="tok", desc="scoring", file=sys.stderr) as bar:
+    docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe)) if i % world_size == rank]
+    local_tokens = sum(len(tokens) for tokens, _, _ in docs)
+    with tqdm(total=local_tokens, unit="tok", desc="scoring", file=sys.stderr, disable=rank != 0) as bar:
         nll, tokens = score_documents(model, (tokens for tokens, _, _ in docs), seq_len=seq_len, stride=stride,
                                       batch_size=args.batch_size, eos_id=tokenizer.eos_id, device=device,
                                       progress=bar)
-    num_bytes = sum(b for _, b, _ in docs)
-    words = sum(w for _, _, w in docs)
+    num_bytes, words = sum(b for _, b, _ in docs), sum(w for _, _, w in docs)
+    if world_size > 1:
+        counts = torch.tensor([num_bytes, words], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(counts)
+        num_bytes, words = (int(c) for c in counts.tolist())
     return {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
             "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
-            "bytes": num_bytes, "words": words, "checkpoint": str(ckpt_dir / tag), "seq_len": seq_len, "stride": stride}
+            "bytes": num_bytes, "words": words, "checkpoint": str(ckpt_dir / tag), "seq_len": seq_len, "stride": stride,
+            "ranks": world_size}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--run", "--run-dir", dest="run", required=True,
+                        help="run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
     parser.add_argument("--data", required=True, nargs="+",
                         help="text files, shard directories and/or shard patterns (.tar)")
@@ -110,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:  # a missing run, tag or file; a bad config or shard (all ValueErrors)
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     if args.json:
         print(json.dumps(result))
     else:
