@@ -47,8 +47,9 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, *, keep_last: in
 
 
 def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
+    """Remove all but the newest ``keep_last`` (>= 1) tags, never the one ``latest`` names."""
     tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG.fullmatch(p.name))
-    for tag in tags[:-keep_last] if keep_last > 0 else []:
+    for tag in tags[:-keep_last]:
         if tag != keep:
             shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
 
