@@ -33,15 +33,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            from pretrain.estimate import estimate
+
+            world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+            print(json.dumps(estimate(cfg, world_size)))
+            return 0
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        from pretrain.estimate import estimate
-
-        world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        print(json.dumps(estimate(cfg, world_size)))
-        return 0
 
     from pretrain.train import NonFiniteLossError, train
 

@@ -221,6 +221,15 @@ def test_dry_run_prints_sizes_as_json_in_seconds():
     assert eight["memory_per_rank_bytes"] < one["memory_per_rank_bytes"]  # ZeRO shards states over ranks
 
 
+def test_dry_run_without_a_vocabulary_is_a_config_error_naming_the_key(tmp_path):
+    """A dry run that cannot size the embedding says which key to set, as one line, not a traceback."""
+    result = subprocess.run([PYTHON, "launch/pretrain.py", "--config", "configs/tiny_lm.yaml", "--dry-run",
+                             f"data.tokenizer={tmp_path / 'absent.model'}"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "model.vocab_size" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_gradient_accumulation_reproduces_the_larger_micro_batch(lm_data, tmp_path):
     """Two accumulated micro-batches of 2 rows (ZeRO 2) step like one of 4 rows (no ZeRO): same rows, same mean."""
     runs = {"whole": dict(deepspeed__zero_stage=0, train__micro_batch_size=4, train__grad_accum_steps=1),
