@@ -36,18 +36,22 @@ def stdlib_sources(limit_bytes: int) -> list[Path]:
     return chosen
 
 
-def write_corpus(out_dir: Path, limit_bytes: int) -> tuple[Path, Path, Path]:
-    """Every 20th module is held out: its text is the evaluation file, the rest are training documents."""
+def write_corpus(out_dir: Path, limit_bytes: int, held_out_bytes: int) -> tuple[Path, Path, Path]:
+    """Every 20th module is held out (validation shards); the first of them, up to ``held_out_bytes``, also form
+    the plain-text file that ``eval_ppl`` scores. The rest are training documents."""
     out_dir.mkdir(parents=True, exist_ok=True)
     train, valid, held_out = out_dir / "train.jsonl", out_dir / "valid.jsonl", out_dir / "held_out.txt"
+    held = 0
     with train.open("w") as tr, valid.open("w") as va, held_out.open("w") as ho:
         for i, path in enumerate(stdlib_sources(limit_bytes)):
             text = path.read_text(encoding="utf-8", errors="replace")
-            if i % 20 == 10:
-                va.write(json.dumps({"text": text}) + "\n")
-                ho.write(text if text.endswith("\n") else text + "\n")
-            else:
+            if i % 20 != 10:
                 tr.write(json.dumps({"text": text}) + "\n")
+                continue
+            va.write(json.dumps({"text": text}) + "\n")
+            if held < held_out_bytes:
+                ho.write(text if text.endswith("\n") else text + "\n")
+                held += len(text.encode())
     return train, valid, held_out
 
 
@@ -62,7 +66,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", default="runs/demo", help="where the corpus, shards, logs and checkpoints go")
     parser.add_argument("--corpus-bytes", type=int, default=6_000_000, help="stdlib source to take (bytes)")
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--held-out-bytes", type=int, default=100_000, help="held-out text eval_ppl scores (bytes)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences of 512 tokens per rank and step")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo)")
     args = parser.parse_args()
 
@@ -70,7 +76,7 @@ def main() -> int:
     run = Path(args.run_dir)
     data = run / "data"
     t0 = time.time()
-    train, valid, held_out = write_corpus(data / "corpus", args.corpus_bytes)
+    train, valid, held_out = write_corpus(data / "corpus", args.corpus_bytes, args.held_out_bytes)
     print(f"corpus: {train} and {valid} from the Python standard library")
 
     tok = data / "tokenizer" / "stdlib"
@@ -87,7 +93,7 @@ def main() -> int:
           "launch/pretrain.py", "--config", "configs/tiny_lm.yaml",
           f"run.dir={run}", f"data.tokenizer={tok}.model",
           f"data.train_shards={data / 'shards' / 'train'}", f"data.val_shards={data / 'shards' / 'valid'}",
-          f"train.max_steps={args.steps}"], env=env)
+          f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}"], env=env)
     step("evaluate perplexity on held-out stdlib modules",
          [py, "tools/eval_ppl.py", "--run", str(run), "--data", str(held_out), "--json"])
 
