@@ -48,8 +48,15 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "linear_chunk": lambda q, k, v: linear_attention(q, k, v, impl="chunk"),
     "linear_naive": lambda q, k, v: linear_attention(q, k, v, impl="naive"),
     "linear_triton": lambda q, k, v: linear_attention(q, k, v, impl="triton"),
-    "fla_chunk": lambda q, k, v: __import__("fla.ops.linear_attn", fromlist=["_"]).chunk_linear_attn(q, k, v, scale=1.0)[0],  # the peer: fla-core
+    "fla_chunk": lambda q, k, v: fla_chunk_linear_attn(q, k, v),
 }
+
+
+def fla_chunk_linear_attn(q, k, v):
+    """The peer: flash-linear-attention's chunked kernel (the ``fla-core`` package), imported only when asked for."""
+    from fla.ops.linear_attn import chunk_linear_attn
+
+    return chunk_linear_attn(q, k, v, scale=1.0)[0]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -37,7 +37,7 @@ def linear_attention(
         num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
     if impl == "auto":
-        impl = "triton" if q.is_cuda and _triton_available() else "chunk"
+        impl = "triton" if q.is_cuda and q.dtype != torch.float64 and _triton_available() else "chunk"
     run = getattr(importlib.import_module(f".{impl}", __name__), f"linear_attention_{impl}")
     return run(q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
                initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
