@@ -67,7 +67,7 @@ def main() -> int:
     parser.add_argument("--run-dir", default="runs/demo", help="where the corpus, shards, logs and checkpoints go")
     parser.add_argument("--corpus-bytes", type=int, default=6_000_000, help="stdlib source to take (bytes)")
     parser.add_argument("--held-out-bytes", type=int, default=100_000, help="held-out text eval_ppl scores (bytes)")
-    parser.add_argument("--steps", type=int, default=200, help="training steps")
+    parser.add_argument("--steps", type=int, default=400, help="training steps")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences of 512 tokens per rank and step")
     parser.add_argument("--ranks", type=int, default=2, help="CPU ranks (gloo)")
     args = parser.parse_args()
