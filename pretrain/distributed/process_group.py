@@ -33,7 +33,7 @@ def init_process_group() -> World:
     import deepspeed
 
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1",
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -42,5 +42,23 @@ def init_process_group() -> World:
     else:
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    _unlink_shm_allreduce_buffer()
     return World(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
                  local_rank=local_rank, device=device)
+
+
+def _unlink_shm_allreduce_buffer() -> None:
+    """Remove the name of this rank's DeepSpeed shared-memory all-reduce buffer once every rank has mapped it.
+
+    On CPU, when the launcher says all ranks are local (LOCAL_SIZE, as `deepspeed` sets it), DeepSpeed maps a 69 MB
+    buffer per rank in /dev/shm named after MASTER_ADDR/MASTER_PORT and never unlinks it: every run would leak RAM,
+    and a later run on the same port (29500, the launcher's default) would map a stale buffer. Unlinking after a
+    barrier keeps the mappings alive for this run and lets the memory go with its processes.
+    """
+    name = "deepspeed_allreduce_buffer_{}_{}_{}_{}".format(
+        os.getuid(), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), torch.distributed.get_rank())
+    path = os.path.join("/dev/shm", name)
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+    if os.path.exists(path):
+        os.unlink(path)
