@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed-stamp
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test demo clean
 
 setup: $(STAMP)
 
@@ -17,9 +17,6 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q
-
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
