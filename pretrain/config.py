@@ -210,7 +210,7 @@ def _validate(cfg: DictConfig) -> None:
              f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
     _require(cfg, "model.layer_pattern", not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
              f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
-    _validate_mixers(model)
+    _validate_mixers(model, cfg.train.seq_len)
 
     _require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")
     _require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
@@ -234,8 +234,9 @@ def _validate(cfg: DictConfig) -> None:
                  "pipe: URLs run shell commands; set data.allow_pipe=true to allow them")
 
 
-def _validate_mixers(model: DictConfig) -> None:
-    """Every named mixer is registered and causal; its options are known and build (on the meta device)."""
+def _validate_mixers(model: DictConfig, seq_len: int) -> None:
+    """Every named mixer is registered and causal; its options are known and build (on the meta device); a mixer
+    with a longest sequence (``max_seq_len``, e.g. aft_full's position bias) covers ``train.seq_len``."""
     import torch
 
     from .attention import REGISTRY, build_mixer, mixer_options
@@ -263,9 +264,13 @@ def _validate_mixers(model: DictConfig) -> None:
     for name in dict.fromkeys(list(model.layer_pattern) or [model.mixer]):
         try:
             with torch.device("meta"):
-                build_mixer(name, model.dim, model.n_heads, causal=True, options=mixer_kwargs(model, name))
+                mixer = build_mixer(name, model.dim, model.n_heads, causal=True, options=mixer_kwargs(model, name))
         except (ValueError, TypeError) as err:
             raise ConfigError(f"model.mixer_options.{name}", f"mixer {name!r} cannot be built: {err}") from None
+        longest = getattr(mixer, "max_seq_len", None)
+        if longest is not None and seq_len > longest:
+            raise ConfigError(f"model.mixer_options.{name}.max_seq_len",
+                              f"{longest} is shorter than train.seq_len {seq_len}: {name!r} has no form beyond it")
 
 
 def _same_type(value: Any, default: Any) -> bool:

@@ -160,6 +160,14 @@ def test_mixer_options_are_checked_by_name_type_and_construction():
     assert cfg.model.mixer_options.softmax == {"rope_theta": 500000, "qk_norm": True}
 
 
+def test_a_mixer_shorter_than_the_sequence_is_refused_at_load_time():
+    """aft_full has a position bias only up to its max_seq_len: a longer train.seq_len fails before any work."""
+    message = refused("model.mixer_options.aft_full.max_seq_len", "model.mixer=aft_full", "train.seq_len=512",
+                      "model.mixer_options.aft_full.max_seq_len=256")
+    assert "train.seq_len 512" in message
+    assert load("model.mixer=aft_full", "train.seq_len=256", "model.mixer_options.aft_full.max_seq_len=256")
+
+
 def test_vocab_size_comes_from_the_tokenizer(tokenizer):
     cfg = load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar"])
     assert cfg.model.vocab_size == 40
