@@ -1,6 +1,6 @@
 """Compile the linear-attention kernels for a GPU that is not here, and print what the compiler gives each one.
 
-    python benchmarks/gpu_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
+    python tools/triton_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
 
 For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
 (wgmma) instructions in the SASS, and shared memory, per (channel block, warps, pipeline stages, chunk). Needs no

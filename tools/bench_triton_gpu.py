@@ -2,7 +2,7 @@
 sweep, and the side-by-side benchmark (ours vs SDPA/flash vs flash-linear-attention vs the PyTorch chunked form).
 
 Run on a CUDA machine from the repository root, e.g.
-    python benchmarks/gpu_linear_attention.py --check --ceilings --sweep --bench --out results.json
+    python tools/bench_triton_gpu.py --check --ceilings --sweep --bench --out results.json
 Prints a short table last; writes every number to --out (JSON). Needs only torch and triton (fla-core optional).
 """
 import argparse
