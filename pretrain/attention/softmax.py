@@ -44,6 +44,28 @@ class SoftmaxAttention(nn.Module):
         out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seq_len, self.dim))
 
+    def step(self, x_t, state=None):
+        """One token ``[B, C]`` → ``(y_t, state)``; the state is a KV cache: ``(keys, values, position)``.
+
+        The cache grows by one key and value per token (``[B, t, H, D]``); the new token's q and k are rotated at
+        its ``position``, so decoding matches ``forward`` over the whole sequence.
+        """
+        if not self.causal:
+            raise ValueError("step decodes causally; this SoftmaxAttention was built with causal=False")
+        batch = x_t.shape[0]
+        heads = (batch, 1, self.num_heads, self.head_dim)
+        past_k, past_v, position = state if state is not None else (None, None, 0)
+        q = self.q_norm(self.q_proj(x_t).view(heads))
+        k = self.k_norm(self.k_proj(x_t).view(heads))
+        v = self.v_proj(x_t).view(heads)
+        position_ids = torch.full((batch, 1), position, device=x_t.device, dtype=torch.long)
+        q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=1)
+        values = v if past_v is None else torch.cat([past_v, v], dim=1)
+        scores = torch.einsum("bhd,bshd->bhs", q[:, 0], keys) * self.head_dim ** -0.5
+        out = torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), values)
+        return self.o_proj(out.reshape(batch, self.dim)), (keys, values, position + 1)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections plus q·k and weights·v against ``seq_len`` keys (half of them when causal)."""
         projections = 4 * 2 * self.dim * self.dim

@@ -46,6 +46,12 @@ class Block(nn.Module):
         x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
         return x + self.ffn(self.ffn_norm(x))
 
+    def step(self, x_t, state=None):
+        """One token ``[B, C]`` through the block with the mixer's decoding ``state`` → ``(y_t, state)``."""
+        mixed, state = self.mixer.step(self.mixer_norm(x_t), state)
+        x_t = x_t + mixed
+        return x_t + self.ffn(self.ffn_norm(x_t)), state
+
 
 class CausalLM(nn.Module):
     """Token embedding → blocks → RMSNorm → LM head (optionally tied to the embedding)."""
@@ -99,6 +105,17 @@ class CausalLM(nn.Module):
         for block in self.layers:
             x = block(x, cu_seqlens, position_ids)
         return self.lm_head(self.norm(x))
+
+    def step(self, token_ids, states=None):
+        """Decode one token per row: ``token_ids`` ``[B]`` → ``(logits [B, V], states)``; ``states=None`` at start.
+
+        ``states`` holds each layer's mixer state: constant in size for linear mixers, a KV cache for softmax.
+        """
+        states = list(states) if states is not None else [None] * len(self.layers)
+        x = self.embed(token_ids)
+        for i, block in enumerate(self.layers):
+            x, states[i] = block.step(x, states[i])
+        return self.lm_head(self.norm(x)), states
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""
