@@ -17,7 +17,6 @@ once, with the same windows as the trainer's validation (``pretrain/train/evalua
   word_ppl       exp(total NLL / (whitespace words + lines)): one end-of-line per line, the WikiText convention
 """
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -65,18 +64,11 @@ def evaluate(args: argparse.Namespace) -> dict:
     import torch
     from tqdm import tqdm
 
-    from pretrain.config import load_config
     from pretrain.data import Tokenizer
-    from pretrain.models import build_lm
-    from pretrain.train import checkpoint
+    from pretrain.train.checkpoint import load_trained_model
     from pretrain.train.evaluate import score_documents
 
-    run = Path(args.run)
-    cfg = load_config(run / "config.yaml")
-    ckpt_dir = run / "checkpoints"
-    tag = checkpoint.latest_tag(ckpt_dir) if args.tag == "latest" else args.tag
-    if tag is None:
-        raise FileNotFoundError(f"{ckpt_dir} has no 'latest' checkpoint; pass --tag")
+    model, cfg, checkpoint_path = load_trained_model(Path(args.run), args.tag)
     seq_len = args.seq_len or cfg.train.seq_len
     stride = args.stride or seq_len
 
@@ -88,11 +80,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     else:
         rank, world_size, device = 0, 1, torch.device(args.device)
 
-    model = build_lm(cfg.model)
-    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed's zero_to_fp32 reports on stdout; keep it for results
-        weights = checkpoint.load_model_weights(ckpt_dir, tag, zero_stage=cfg.deepspeed.zero_stage)
-    model.load_state_dict(weights)
-    model.to(device).eval()
+    model.to(device)
     tokenizer = Tokenizer(cfg.data.tokenizer)
 
     docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe)) if i % world_size == rank]
@@ -108,7 +96,7 @@ def evaluate(args: argparse.Namespace) -> dict:
         num_bytes, words = (int(c) for c in counts.tolist())
     return {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
             "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
-            "bytes": num_bytes, "words": words, "checkpoint": str(ckpt_dir / tag), "seq_len": seq_len, "stride": stride,
+            "bytes": num_bytes, "words": words, "checkpoint": str(checkpoint_path), "seq_len": seq_len, "stride": stride,
             "ranks": world_size}
 
 

@@ -5,9 +5,11 @@ Layout: ``CKPT_DIR/step00000500/`` holds DeepSpeed's files (model, optimizer, LR
 ``CKPT_DIR/latest`` names the newest complete tag. A save interrupted at any point leaves ``latest`` on the
 previous complete tag, so the run still resumes.
 """
+import contextlib
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -90,3 +92,25 @@ def load_model_weights(ckpt_dir: Path, tag: str, *, zero_stage: int) -> dict[str
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+
+
+def load_trained_model(run: Path, tag: str = "latest"):
+    """``(model, cfg, checkpoint_dir)`` of a run directory: its ``config.yaml`` and the weights of ``tag``.
+
+    The model comes back in fp32 on CPU, in eval mode; ``tag="latest"`` follows the run's ``latest`` pointer.
+    DeepSpeed's ``zero_to_fp32`` reports on stdout; that goes to stderr so a tool's stdout stays its results.
+    """
+    from ..config import load_config
+    from ..models import build_lm
+
+    run = Path(run)
+    cfg = load_config(run / "config.yaml")
+    ckpt_dir = run / "checkpoints"
+    resolved = latest_tag(ckpt_dir) if tag == "latest" else tag
+    if resolved is None:
+        raise FileNotFoundError(f"{ckpt_dir} has no 'latest' checkpoint; pass --tag")
+    model = build_lm(cfg.model)
+    with contextlib.redirect_stdout(sys.stderr):
+        weights = load_model_weights(ckpt_dir, resolved, zero_stage=cfg.deepspeed.zero_stage)
+    model.load_state_dict(weights)
+    return model.eval(), cfg, ckpt_dir / resolved
