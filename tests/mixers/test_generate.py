@@ -1,0 +1,94 @@
+"""Item 4 of the issue: decoding a CausalLM token by token (``CausalLM.step``) matches its parallel forward, and
+``tools/generate.py`` samples from a real trained run."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pretrain.config import ModelConfig
+from pretrain.models import build_lm
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 64
+
+
+def load_module(path: Path, name: str):
+    """A module of the repository that is not in a package (a tool, the training tests' helpers)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate_tool = load_module(REPO / "tools" / "generate.py", "generate_tool")
+launching = load_module(REPO / "tests" / "train" / "launching.py", "launching_for_generate")
+lm_data = load_module(REPO / "tests" / "train" / "conftest.py", "train_fixtures_for_generate").lm_data  # a fixture
+
+
+def random_lm(layer_pattern, seed=0):
+    """A tiny fp32 CausalLM with weights well away from zero, so logits spread and argmax has no near-ties."""
+    torch.manual_seed(seed)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "vocab_size": VOCAB, "dim": 32, "n_layers": 2, "n_heads": 4, "layer_pattern": layer_pattern,
+        "mixer_options": {"aft_local": {"window": 3, "chunk_size": 4}}})
+    model = build_lm(cfg).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0, 1.0 / param.shape[-1] ** 0.5)
+    return model
+
+
+PATTERNS = [["softmax"], ["linear"], ["linear", "softmax"], ["aft_local", "inline"]]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
+def test_step_logits_equal_the_parallel_forward(pattern):
+    model = random_lm(pattern)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        parallel = model(ids)
+        states, steps = None, []
+        for t in range(ids.shape[1]):
+            logits, states = model.step(ids[:, t], states)
+            steps.append(logits)
+    torch.testing.assert_close(torch.stack(steps, dim=1), parallel, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
+def test_greedy_generation_is_the_argmax_of_the_parallel_forward(pattern):
+    model = random_lm(pattern)
+    prompt = [5, 17, 42]
+    new = generate_tool.generate(model, prompt, 14, temperature=0.0)
+    assert len(new) == 14
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + new]))[0]
+    # the token after position p is the argmax of the logits at p, for every generated token
+    assert new == logits[len(prompt) - 1:-1].argmax(dim=-1).tolist()
+
+
+def test_sampling_keeps_to_top_k_and_top_p():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    assert torch.isfinite(generate_tool.filter_logits(logits, top_k=2)).tolist() == [[True, True, False, False, False]]
+    probs = logits.softmax(-1)[0]  # ≈ 0.64, 0.24, 0.09, ...: the nucleus of 0.8 needs the first two tokens
+    assert probs[0] < 0.8 < probs[:2].sum()
+    assert torch.isfinite(generate_tool.filter_logits(logits, top_p=0.8)).tolist() == [[True, True, False, False, False]]
+    draws = {generate_tool.next_token(logits, temperature=1.0, top_k=0, top_p=0.8,
+                                      generator=torch.Generator().manual_seed(s)).item() for s in range(50)}
+    assert draws == {0, 1}
+
+
+def test_generate_cli_on_a_trained_run(lm_data, tmp_path):
+    run = tmp_path / "run"
+    launching.launch(launching.tiny_overrides(lm_data, run, train__max_steps=3, schedule__warmup_steps=1,
+                                              checkpoint__every=3, log__val_every=100,
+                                              model__layer_pattern="[linear,softmax]"))
+    result = subprocess.run([sys.executable, "tools/generate.py", "--run", str(run), "--prompt", "the cat sees",
+                             "--max-new-tokens", "5", "--temperature", "0"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.startswith("the cat sees")
+    assert "tok/s" in result.stderr
