@@ -1,8 +1,6 @@
 """Item 4 of the issue: decoding a CausalLM token by token (``CausalLM.step``) matches its parallel forward, and
-``tools/generate.py`` samples from a real trained run."""
+``tools/generate.py`` picks tokens as asked (its run end to end: tests/train/test_generate_cli.py)."""
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ VOCAB = 64
 
 
 def load_module(path: Path, name: str):
-    """A module of the repository that is not in a package (a tool, the training tests' helpers)."""
+    """A module of the repository that is not in a package (a tool)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -25,8 +23,6 @@ def load_module(path: Path, name: str):
 
 
 generate_tool = load_module(REPO / "tools" / "generate.py", "generate_tool")
-launching = load_module(REPO / "tests" / "train" / "launching.py", "launching_for_generate")
-lm_data = load_module(REPO / "tests" / "train" / "conftest.py", "train_fixtures_for_generate").lm_data  # a fixture
 
 
 def random_lm(layer_pattern, seed=0):
@@ -80,15 +76,3 @@ def test_sampling_keeps_to_top_k_and_top_p():
     draws = {generate_tool.next_token(logits, temperature=1.0, top_k=0, top_p=0.8,
                                       generator=torch.Generator().manual_seed(s)).item() for s in range(50)}
     assert draws == {0, 1}
-
-
-def test_generate_cli_on_a_trained_run(lm_data, tmp_path):
-    run = tmp_path / "run"
-    launching.launch(launching.tiny_overrides(lm_data, run, train__max_steps=3, schedule__warmup_steps=1,
-                                              checkpoint__every=3, log__val_every=100,
-                                              model__layer_pattern="[linear,softmax]"))
-    result = subprocess.run([sys.executable, "tools/generate.py", "--run", str(run), "--prompt", "the cat sees",
-                             "--max-new-tokens", "5", "--temperature", "0"], cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.startswith("the cat sees")
-    assert "tok/s" in result.stderr
