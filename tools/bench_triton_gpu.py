@@ -7,7 +7,6 @@ Prints a short table last; writes every number to --out (JSON). Needs only torch
 """
 import argparse
 import json
-import math
 import platform
 import sys
 import time
