@@ -1,6 +1,7 @@
 """One structured schema for a run: every key typed, documented and checked before any work starts.
 
 ``load_config(path, overrides)`` merges a YAML file and dotted ``key=value`` overrides onto the schema below,
+(a file may start from another with ``base: other.yaml``, a path relative to itself, and change a few keys),
 refuses unknown keys, wrong types, missing values and impossible combinations with a ``ConfigError`` that names
 the key, and fills ``model.vocab_size`` from the tokenizer when it is 0. Importing this module does not import
 DeepSpeed.
@@ -132,7 +133,8 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides."""
     cfg = OmegaConf.structured(Config)
     if path is not None:
-        cfg = _merge(cfg, _read_yaml(Path(path)), where=f"in {path}")
+        for layer, source in _read_with_bases(Path(path)):
+            cfg = _merge(cfg, layer, where=f"in {source}")
     for override in overrides:
         if "=" not in override:
             raise ConfigError(override, "an override must look like dotted.key=value")
@@ -161,6 +163,21 @@ def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:
             os.unlink(tmp.name)
             raise
     os.replace(tmp.name, path)
+
+
+def _read_with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig, Path]]:
+    """The YAML layers of ``path``, its ``base:`` chain first, each with the file it came from."""
+    resolved = path.resolve()
+    if resolved in seen:
+        chain = " -> ".join(str(p) for p in (*seen, resolved))
+        raise ConfigError(str(path), f"base: files include each other ({chain})")
+    layer = _read_yaml(path)
+    base = layer.pop("base", None)
+    if base is None:
+        return [(layer, path)]
+    if not isinstance(base, str):
+        raise ConfigError(f"base (in {path})", f"must be the path of a YAML file, got {base!r}")
+    return [*_read_with_bases(path.parent / base, (*seen, resolved)), (layer, path)]
 
 
 def _read_yaml(path: Path) -> DictConfig:

@@ -57,10 +57,33 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
     assert cfg.data.train_shards == "shards/shard-{000000..000003}.tar"
 
 
-@pytest.mark.parametrize("name", ["tiny_lm", "softmax_lm_1b", "aft_lm_1b"])
-def test_shipped_configs_load(name):
-    cfg = load_config(CONFIGS / f"{name}.yaml", [])
-    assert cfg.task == "lm" and cfg.train.seq_len > 0
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("**/*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_configs_load(path):
+    cfg = load_config(path, [])
+    assert cfg.task in ("lm", "vision") and cfg.train.max_steps > 0
+
+
+def test_a_config_starts_from_its_base_and_changes_a_few_keys(tmp_path):
+    (tmp_path / "family").mkdir()
+    (tmp_path / "root.yaml").write_text("model: {dim: 64, n_heads: 2, mixer: linear}\ntrain: {seq_len: 128}\n")
+    (tmp_path / "family" / "mid.yaml").write_text("base: ../root.yaml\nmodel: {n_layers: 2}\n")
+    (tmp_path / "family" / "leaf.yaml").write_text("base: mid.yaml\nmodel: {mixer: cosine}\n")
+    cfg = load("train.seq_len=64", path=tmp_path / "family" / "leaf.yaml")
+    assert (cfg.model.dim, cfg.model.n_layers, cfg.model.mixer, cfg.train.seq_len) == (64, 2, "cosine", 64)
+    assert "base" not in cfg
+
+
+def test_bad_bases_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="include each other"):
+        load(path=tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: absent.yaml\n")
+    with pytest.raises(ConfigError, match="absent.yaml: config file not found"):
+        load(path=tmp_path / "c.yaml")
+    (tmp_path / "d.yaml").write_text("base: 3\nmodel: {colour: red}\n")
+    with pytest.raises(ConfigError, match="base"):
+        load(path=tmp_path / "d.yaml")
 
 
 @pytest.mark.parametrize("override, key", [
