@@ -1,4 +1,4 @@
-"""``softmax``: multi-head softmax attention with RoPE, the baseline mixer."""
+"""``softmax``: multi-head softmax attention, the baseline mixer: with 1-D RoPE in the LM, without on an image grid."""
 from typing import ClassVar
 
 import torch
@@ -11,6 +11,10 @@ from .registry import register
 @register("softmax")
 class SoftmaxAttention(nn.Module):
     """q/k/v/o projections around ``pretrain.ops.softmax_attention``; RoPE on q and k from ``position_ids``.
+
+    On an image grid (``hw=(H, W)`` given to ``forward``) there is no RoPE: a 1-D rotation of the row-major tokens
+    would call a pixel's neighbour below it W positions away, and the vision backbone brings its own position
+    information (a convolution on the grid).
 
     ``qk_norm`` RMS-normalizes q and k per head before RoPE, which keeps attention logits bounded in large models.
     """
@@ -30,15 +34,17 @@ class SoftmaxAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
 
-    def forward(self, x, *, cu_seqlens=None, position_ids=None):
+    def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
+        """``hw=(H, W)``: the tokens are an image grid; attend to all of it without RoPE."""
         batch, seq_len, _ = x.shape
         heads = (batch, seq_len, self.num_heads, self.head_dim)
         q = self.q_norm(self.q_proj(x).view(heads))
         k = self.k_norm(self.k_proj(x).view(heads))
         v = self.v_proj(x).view(heads)
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
-        q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        if hw is None:
+            if position_ids is None:
+                position_ids = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
+            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
         if cu_seqlens is not None:  # packed documents: one row of B*T tokens
             q, k, v = (t.reshape(1, batch * seq_len, self.num_heads, self.head_dim) for t in (q, k, v))
         out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
