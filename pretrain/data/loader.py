@@ -42,6 +42,7 @@ class _Stream(ShardStream):
     tokenizer_sha256: str | None
     seq_len: int
     batch_size: int
+    sample_noun = "document"
 
     def read_shard(self, url: str) -> list[np.ndarray]:
         return list(iter_shard_tokens(url, self.checksums.get(url), self.tokenizer_sha256))

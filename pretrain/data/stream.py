@@ -67,6 +67,7 @@ class ShardStream:
     shuffle_buffer: int
     epochs: int | None
     skip_corrupt: bool
+    sample_noun = "sample"  # what a sample is, in error messages
 
     def read_shard(self, url: str) -> list:
         """The samples of one shard, in shard order; ``ShardError`` if it is corrupt."""
@@ -117,7 +118,7 @@ class ShardStream:
                     found = True
                     yield samples[i], Position(epoch, first, i)
             if not found:
-                raise ShardError(f"rank {self.rank}: no readable sample in epoch {epoch} "
+                raise ShardError(f"rank {self.rank}: no readable {self.sample_noun} in epoch {epoch} "
                                  f"({len(self.epoch_shards(epoch))} shards, {skips.count} skipped as corrupt)")
             epoch += 1
 
