@@ -1,4 +1,5 @@
-"""The data path: sentencepiece tokenizers, webdataset shards, packed resumable batches (see docs/CONTRACTS.md).
+"""The data path: sentencepiece tokenizers, webdataset shards, packed token batches and augmented image batches,
+resumable (see docs/CONTRACTS.md).
 
 Names are imported on first use, so the tools that only tokenize or shard do not pay for importing torch.
 """
@@ -6,6 +7,7 @@ import importlib
 
 _HOMES = {
     "TokenLoader": "pretrain.data.loader",
+    "ImageLoader": "pretrain.data.image_loader",
     "ShardError": "pretrain.data.shards",
     "Document": "pretrain.data.text_shards",
     "make_text_shards": "pretrain.data.text_shards",
