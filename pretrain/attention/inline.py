@@ -48,7 +48,11 @@ class InLineAttention(nn.Module):
         o = merge_heads(linear_attention(q, k, v, causal=self.causal, normalize="subtractive", cu_seqlens=cu_seqlens,
                                          chunk_size=self.chunk_size, impl=self.impl), batch, seq_len)
         if self.local and self.causal:
-            positions = token_positions(batch, seq_len, cu_seqlens, x.device)
+            # the model's position_ids already say where documents start; deriving them from cu_seqlens would
+            # need ops with data-dependent shapes, a graph break under torch.compile
+            if position_ids is None:
+                position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
+            positions = position_ids
             flat = (1, batch * seq_len, self.dim) if packed else (batch, seq_len, self.dim)
             o = o + self._causal_conv(v.reshape(flat), positions.reshape(flat[:2])).view_as(o)
         elif self.local:

@@ -1,11 +1,12 @@
-"""``linear_attention`` as a torch.library op: its registration checks out, and a compiled model using it runs
-as one graph with the results of eager mode (on CPU, where the op runs the chunked form)."""
+"""``linear_attention`` as a torch.library op: its registration checks out, and a compiled model calling plain
+``linear_attention`` (which turns into the op when compiled) runs as one graph with the results of eager mode
+(on CPU, where the op runs the chunked form)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.ops.linear_attention import LinearAttentionState
-from pretrain.ops.linear_attention.library import _forward, linear_attention_op
+from pretrain.ops.linear_attention import LinearAttentionState, linear_attention
+from pretrain.ops.linear_attention.library import _forward
 
 
 def inputs(batch, length, heads, dim, *, seed):
@@ -39,8 +40,8 @@ class TinyLinearAttention(torch.nn.Module):
 
     def forward(self, x, cu_seqlens):
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(2)
-        o, state = linear_attention_op(F.elu(q) + 1, F.elu(k) + 1, v, cu_seqlens=cu_seqlens, chunk_size=16,
-                                       output_final_state=True)
+        o, state = linear_attention(F.elu(q) + 1, F.elu(k) + 1, v, cu_seqlens=cu_seqlens, chunk_size=16,
+                                    output_final_state=True)
         return self.out(o.flatten(2)), state
 
 
@@ -63,3 +64,62 @@ def test_compiled_model_is_one_graph_with_eager_results():
     torch.testing.assert_close(z_c, z, rtol=1e-6, atol=1e-7)
     for g_c, g in zip(grads_c, grads):
         torch.testing.assert_close(g_c, g, rtol=1e-6, atol=1e-7)
+
+
+# A whole LM whose mixers call plain ``linear_attention``: under torch.compile it must reach the library op.
+LINEAR_MIXERS = ("linear", "cosine", "inline")
+
+
+def tiny_lm():
+    from omegaconf import OmegaConf
+
+    from pretrain.config import ModelConfig
+    from pretrain.models import build_lm
+
+    torch.manual_seed(0)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
+        "vocab_size": 40, "dim": 16, "n_layers": 3, "n_heads": 2, "layer_pattern": list(LINEAR_MIXERS),
+        "mixer_options": {name: {"chunk_size": 8} for name in LINEAR_MIXERS}})
+    return build_lm(cfg)
+
+
+def lm_batch():
+    """Two rows of packed documents (10 + 14 tokens each): the model derives cu_seqlens from position_ids."""
+    input_ids = torch.randint(0, 40, (2, 24), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    return input_ids, position_ids
+
+
+def test_lm_graph_breaks_only_where_cu_seqlens_is_derived():
+    """No mixer breaks the graph; the one break left is ``cu_seqlens_from_position_ids``: its ``nonzero`` has a
+    data-dependent size (the number of documents), which dynamo will not trace by default."""
+    model = tiny_lm()
+    explained = torch._dynamo.explain(model)(*lm_batch())
+    assert explained.graph_break_count >= 1
+    for reason in explained.break_reasons:
+        assert reason.user_stack[-1].filename.endswith("pretrain/ops/varlen.py"), reason
+        assert "nonzero" in reason.reason, reason.reason
+    ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes
+           if node.op == "call_function"}
+    assert "pretrain.linear_attention.default" in ops, sorted(ops)
+
+
+def test_compiled_lm_is_one_graph_with_eager_logits_and_gradients():
+    """With dynamo allowed to trace data-dependent sizes, the whole packed-batch LM is one graph (fullgraph=True
+    fails on any break). ``aot_eager`` runs the traced ATen graph: the same fp32 kernels as eager, up to
+    decompositions that may reorder a sum, so results agree to a few fp32 ulps (rtol 1e-5), not bit for bit."""
+    model = tiny_lm()
+    batch = lm_batch()
+    results = []
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for run in (model, compiled):
+            model.zero_grad()
+            logits = run(*batch)
+            logits.logsumexp(-1).mean().backward()
+            results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (logits, grads), (logits_c, grads_c) = results
+    torch.testing.assert_close(logits_c, logits, rtol=1e-5, atol=1e-6)
+    assert grads_c.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -5,11 +5,17 @@ One public entry, ``linear_attention``, checks its inputs once and hands them to
 (token by token, for decoding) and ``triton`` (CUDA kernels). Every implementation module exposes
 ``linear_attention_<impl>(q, k, v, *, causal, normalize, eps, cu_seqlens, initial_state, output_final_state,
 chunk_size)`` with the inputs already checked, and returns ``o`` or ``(o, LinearAttentionState)``.
+
+Under ``torch.compile`` the same entry becomes one opaque ``torch.ops.pretrain.linear_attention`` node
+(``library.py``) whose body is this function again, run eagerly: the compiler never traces the implementations'
+Python loops or ``cu_seqlens.tolist()``, and eager code keeps the direct call (the op's backward recomputes the
+forward, a price worth paying only where the compiler needs it).
 """
 import importlib
 
 import torch
 
+from .library import linear_attention_op
 from .naive import linear_attention_naive
 from .state import FIELDS, LinearAttentionState, check_state
 
@@ -33,6 +39,12 @@ def linear_attention(
     Returns ``o`` in the input dtype, or ``(o, final_state)`` with an fp32 state.
     """
     _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl)
+    if torch.compiler.is_compiling():
+        return linear_attention_op(q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
+                                   initial_state=initial_state, output_final_state=output_final_state,
+                                   chunk_size=chunk_size, impl=impl)
+    if cu_seqlens is not None:
+        _check_offsets(cu_seqlens, q.shape[1])
     if initial_state is not None:
         num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
@@ -52,6 +64,7 @@ def _triton_available() -> bool:
 
 
 def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
+    """What shapes, dtypes and options show (traceable: no tensor values read)."""
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}")
     if impl not in IMPLS:
@@ -68,13 +81,18 @@ def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {q.shape[0]}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
             raise ValueError(f"cu_seqlens must be 1-D integer offsets [N + 1]; got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
-        offsets = cu_seqlens.tolist()
-        if offsets[0] != 0 or offsets[-1] != q.shape[1] or any(b <= a for a, b in zip(offsets, offsets[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={q.shape[1]} (no empty documents); "
-                             f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
+
+
+def _check_offsets(cu_seqlens, length):
+    """What only the values show (under ``torch.compile`` the op's eager body checks them)."""
+    offsets = cu_seqlens.tolist()
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or any(
+            b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={length} (no empty documents); "
+                         f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
 
 
 __all__ = ["linear_attention", "linear_attention_naive", "LinearAttentionState", "NORMALIZATIONS", "IMPLS"]

@@ -2,8 +2,9 @@
 
 Inside, the op is the ordinary dispatcher (Triton on CUDA, the chunked form on CPU); outside, the compiler
 sees only a schema, a fake implementation that gives output shapes, and a backward that is itself one op.
-A model that calls ``linear_attention_op`` therefore compiles as one graph (no breaks on ``cu_seqlens.tolist()``
-or on the implementations' Python loops) and computes exactly what eager mode computes.
+``linear_attention`` calls ``linear_attention_op`` whenever it is being compiled, so a model that uses it compiles
+as one graph (no breaks on ``cu_seqlens.tolist()`` or on the implementations' Python loops) and computes exactly
+what eager mode computes.
 
 The backward op recomputes the forward under autograd and differentiates it: one extra forward per backward,
 the price of keeping the compiler away from the implementations' own autograd functions.
@@ -12,7 +13,6 @@ from contextlib import contextmanager
 
 import torch
 
-from . import linear_attention
 from .state import FIELDS, LinearAttentionState
 
 _ABSENT = (0,)  # shape of the placeholder that stands for an absent state field (custom ops return no None)
@@ -32,11 +32,14 @@ def linear_attention_op(q, k, v, *, causal=True, normalize="divisive", eps=1e-6,
 
 def _run(q, k, v, S, z, u, n, cu_seqlens, causal, normalize, eps, chunk_size, impl):
     """The dispatcher with the final state always returned, absent fields as empty placeholders."""
+    from . import linear_attention  # the package's entry, which imports this module; not compiling here: eager
     initial = None if S is None else LinearAttentionState(S, z, u, n)
     o, final = linear_attention(q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
                                 initial_state=initial, output_final_state=True, chunk_size=chunk_size, impl=impl)
-    # fields may be views of one augmented state; a custom op's outputs must not share memory
-    return o, *(q.new_empty(_ABSENT, dtype=torch.float32) if f is None else f.clone() for f in final)
+    # fields may be views of one augmented state; a custom op's outputs must not share memory, and must have
+    # the fake implementation's (contiguous) strides, which the compiled graph's views rely on
+    return o.contiguous(), *(q.new_empty(_ABSENT, dtype=torch.float32) if f is None
+                             else f.clone(memory_format=torch.contiguous_format) for f in final)
 
 
 @torch.library.custom_op("pretrain::linear_attention", mutates_args=())
@@ -77,7 +80,8 @@ def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor
                 grads.append(g)
         wrt = leaves + [t for t in initial[:3] if t is not None]
         found = torch.autograd.grad(outputs, wrt, grads, allow_unused=True)
-    found = [torch.zeros_like(t) if g is None else g for t, g in zip(wrt, found)]
+    # contiguous, as the fake implementation says: a gradient may be a strided slice (v's, of [v, 1]'s)
+    found = [torch.zeros_like(t) if g is None else g.contiguous() for t, g in zip(wrt, found)]
     # autograd may hand an incoming gradient straight through (dS_T → dS_0); outputs must own their memory
     found = _unshared(found, [do, dS, dz, du])
     dq, dk, dv, *rest = found
@@ -111,8 +115,8 @@ def _autograd_inside_op():
 
 @_backward.register_fake
 def _backward_fake(q, k, v, S, z, u, n, cu_seqlens, do, dS, dz, du, causal, normalize, eps, chunk_size, impl):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            *(q.new_empty(_ABSENT, dtype=torch.float32) if t is None else torch.empty_like(t) for t in (S, z, u)))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            *(q.new_empty(_ABSENT, dtype=torch.float32) if t is None else t.new_empty(t.shape) for t in (S, z, u)))
 
 
 def _setup_context(ctx, inputs, output):
