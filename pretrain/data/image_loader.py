@@ -12,7 +12,8 @@ sees the same crops. Decoding, the costly part, is shared among workers: each de
 
 Evaluation (``train=False``): every rank reads every shard in order and takes images round-robin: image i of the
 s-th shard goes to rank (i + s) mod world_size, so every image is read once over the ranks, in any number of shards.
-One pass unless ``epochs`` says otherwise; the last batch may be short, and ranks may yield different counts.
+Each iteration is one pass from the start (``epochs`` passes if given), as a DataLoader's, so a validation loop can
+reuse the loader; the last batch may be short, and ranks may yield different counts.
 
 The cursor is the ``Position`` ``(epoch, shard, index)`` of the next image. A malformed sample (no image, a missing
 or bad ``.cls``) makes its shard corrupt (``ShardError`` naming shard and key, or skipped with ``skip_corrupt``);
@@ -155,5 +156,7 @@ class ImageLoader(StreamLoader):
         self._cursor = Position(0, 0, 0)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if not self._stream.train:
+            self._cursor = Position(0, 0, 0)  # evaluation: each iteration is a whole pass, as a DataLoader's
         for images, labels in self._produce():
             yield {"images": images, "labels": labels}
