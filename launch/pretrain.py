@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 launch/pretrain.py --config configs/tiny_lm.yaml
     deepspeed --num_gpus 8 launch/pretrain.py --config configs/aft_lm_1b.yaml
     python launch/pretrain.py --config configs/aft_lm_1b.yaml --dry-run    # sizes, FLOPs, memory; no training
+    torchrun --nproc_per_node 2 launch/pretrain.py --config configs/vision/cifar10_soft.yaml    # task: vision
 
 Relaunching the same command on a run directory with checkpoints resumes it.
 """
@@ -21,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see configs/ and pretrain/config.py)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="build the model on the meta device and print parameters, FLOPs per token and memory "
-                             "per rank as one JSON object on the last line; no training")
+                        help="build the model on the meta device and print parameters, FLOPs per token (per image "
+                             "for task vision) and memory per rank as one JSON object on the last line; no training")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks assumed by --dry-run (default: WORLD_SIZE from the launcher, else 1)")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by `deepspeed`

@@ -3,8 +3,9 @@
 ``load_config(path, overrides)`` merges a YAML file and dotted ``key=value`` overrides onto the schema below,
 (a file may start from another with ``base: other.yaml``, a path relative to itself, and change a few keys),
 refuses unknown keys, wrong types, missing values and impossible combinations with a ``ConfigError`` that names
-the key, and fills ``model.vocab_size`` from the tokenizer when it is 0. Importing this module does not import
-DeepSpeed.
+the key, and fills ``model.vocab_size`` from the tokenizer when it is 0 (``task: lm``) or ``vision.num_classes``
+from the training shards' manifest when it is 0 (``task: vision``, checked in ``config_vision``). Importing this
+module does not import DeepSpeed.
 """
 import os
 import tempfile
@@ -32,7 +33,7 @@ class RunConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps and mixer_options
     vocab_size: int = 0  # 0 → taken from the tokenizer (data.tokenizer) at load time
     dim: int = 256
     n_layers: int = 4
@@ -50,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    tokenizer: str = MISSING  # PREFIX.model, a sentencepiece model
+    tokenizer: str | None = MISSING  # PREFIX.model, a sentencepiece model (task lm; a vision run needs none)
     train_shards: str = MISSING  # webdataset pattern, brace expansion ok
     val_shards: str | None = None
     allow_pipe: bool = False  # pipe: URLs run shell commands; refused unless true
@@ -61,8 +62,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    seq_len: int = 1024
-    micro_batch_size: int = 4  # per rank
+    seq_len: int = 1024  # tokens per row (task lm; unused by vision)
+    micro_batch_size: int = 4  # per rank: rows of seq_len tokens, or images
     grad_accum_steps: int = 1
     max_steps: int = 1000
     grad_clip: float = 1.0  # max global gradient norm; 0 → no clipping
@@ -109,8 +110,32 @@ class CheckpointConfig:
 
 
 @dataclass
+class VisionConfig:  # task vision: a hierarchical backbone of four stages (pretrain/models/vision.py)
+    image_size: int = 224  # training crop side (square); evaluation may use any resolution
+    num_classes: int = 0  # 0 → len(classes) in data.train_shards' manifest.json
+    in_channels: int = 3
+    patch_size: int = 4  # stem stride; each later stage halves the grid (output stride patch_size·8)
+    stage_dims: list[int] = field(default_factory=lambda: [64, 128, 320, 512])
+    stage_depths: list[int] = field(default_factory=lambda: [2, 2, 2, 2])
+    stage_heads: list[int] = field(default_factory=lambda: [1, 2, 5, 8])
+    stage_mixers: list[str] = field(default_factory=lambda: ["soft", "soft", "soft", "softmax"])  # built non-causal
+    mlp_ratio: float = 4.0  # MLP hidden width / stage dim
+    drop_path: float = 0.1  # stochastic depth, rising linearly over the blocks to this rate
+
+
+@dataclass
+class AugmentConfig:  # task vision: training augmentation and loss smoothing
+    crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # random resized crop's area range
+    hflip: bool = True  # random horizontal flip
+    mixup_alpha: float = 0.0  # Beta(α, α) mixing of image pairs in a batch; 0 = off
+    cutmix_alpha: float = 0.0  # Beta(α, α) box pasted from another image of the batch; 0 = off (both on: one per batch)
+    label_smoothing: float = 0.1  # target mass spread evenly over all classes
+    eval_crop_ratio: float = 0.875  # eval: short side → image_size/ratio, then a centre crop; 1.0 → resize only
+
+
+@dataclass
 class Config:
-    task: str = "lm"  # lm (vision arrives later)
+    task: str = "lm"  # lm (causal language model) | vision (image classification)
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -120,10 +145,12 @@ class Config:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
 
 
 CHOICES = {
-    "task": ("lm",),
+    "task": ("lm", "vision"),
     "schedule.name": ("cosine", "wsd", "constant"),
     "deepspeed.precision": ("fp32", "bf16", "fp16"),
 }
@@ -143,11 +170,18 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(_key_of(err), f"cannot resolve interpolation: {str(err.msg).splitlines()[0]}") from None
+    if cfg.task == "vision" and OmegaConf.is_missing(cfg.data, "tokenizer"):
+        cfg.data.tokenizer = None  # images need no tokenizer
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(missing[0], f"no value given (missing: {', '.join(missing)}); set it as {missing[0]}=...")
     _validate(cfg)
-    _resolve_vocab_size(cfg)
+    if cfg.task == "lm":
+        _resolve_vocab_size(cfg)
+    else:
+        from .config_vision import validate_vision
+
+        validate_vision(cfg)
     return cfg
 
 
@@ -218,55 +252,48 @@ def _validate(cfg: DictConfig) -> None:
                     "train.grad_clip", "optim.min_lr", "optim.weight_decay", "schedule.warmup_steps",
                     "schedule.decay_steps"]
     for key in positive:
-        _require(cfg, key, OmegaConf.select(cfg, key) > 0, "must be > 0")
+        require(cfg, key, OmegaConf.select(cfg, key) > 0, "must be > 0")
     for key in non_negative:
-        _require(cfg, key, OmegaConf.select(cfg, key) >= 0, "must be >= 0")
+        require(cfg, key, OmegaConf.select(cfg, key) >= 0, "must be >= 0")
 
     model = cfg.model
-    _require(cfg, "model.n_heads", model.dim % model.n_heads == 0,
-             f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
-    _require(cfg, "model.layer_pattern", not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
-             f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
-    _validate_mixers(model, cfg.train.seq_len)
+    validate_mixer_options(model)
+    if cfg.task == "lm":
+        require(cfg, "data.tokenizer", cfg.data.tokenizer is not None, "task lm needs a sentencepiece model")
+        require(cfg, "model.n_heads", model.dim % model.n_heads == 0,
+                 f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
+        require(cfg, "model.layer_pattern",
+                 not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
+                 f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
+        _validate_mixers(model, cfg.train.seq_len)
 
-    _require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")
-    _require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
+    require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")
+    require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
              "must be two numbers in [0, 1)")
     sched, steps = cfg.schedule, cfg.train.max_steps
-    _require(cfg, "schedule.warmup_steps", sched.warmup_steps <= steps, f"exceeds train.max_steps {steps}")
+    require(cfg, "schedule.warmup_steps", sched.warmup_steps <= steps, f"exceeds train.max_steps {steps}")
     if sched.name == "wsd":
-        _require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - sched.warmup_steps,
+        require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - sched.warmup_steps,
                  "wsd needs 0 < decay_steps <= train.max_steps - schedule.warmup_steps")
 
     ds = cfg.deepspeed
-    _require(cfg, "deepspeed.zero_stage", 0 <= ds.zero_stage <= 3, "must be 0, 1, 2 or 3")
-    _require(cfg, "deepspeed.offload_optimizer", not ds.offload_optimizer or ds.zero_stage >= 1,
+    require(cfg, "deepspeed.zero_stage", 0 <= ds.zero_stage <= 3, "must be 0, 1, 2 or 3")
+    require(cfg, "deepspeed.offload_optimizer", not ds.offload_optimizer or ds.zero_stage >= 1,
              "needs deepspeed.zero_stage >= 1")
-    _require(cfg, "deepspeed.offload_params", not ds.offload_params or ds.zero_stage == 3,
+    require(cfg, "deepspeed.offload_params", not ds.offload_params or ds.zero_stage == 3,
              "needs deepspeed.zero_stage 3")
 
     for key in ("data.train_shards", "data.val_shards"):
         shards = OmegaConf.select(cfg, key)
-        _require(cfg, key, cfg.data.allow_pipe or not (shards or "").startswith("pipe:"),
+        require(cfg, key, cfg.data.allow_pipe or not (shards or "").startswith("pipe:"),
                  "pipe: URLs run shell commands; set data.allow_pipe=true to allow them")
 
 
-def _validate_mixers(model: DictConfig, seq_len: int) -> None:
-    """Every named mixer is registered and causal; its options are known and build (on the meta device); a mixer
-    with a longest sequence (``max_seq_len``, e.g. aft_full's position bias) covers ``train.seq_len``."""
-    import torch
-
-    from .attention import REGISTRY, build_mixer, mixer_options
-    from .models.lm import mixer_kwargs
+def validate_mixer_options(model: DictConfig) -> None:
+    """Every ``model.mixer_options`` entry names a registered mixer and options it takes, of the default's type."""
+    from .attention import REGISTRY, mixer_options
 
     registered = ", ".join(sorted(REGISTRY)) or "none"
-    named = [("model.mixer", model.mixer)]
-    named += [(f"model.layer_pattern[{i}]", name) for i, name in enumerate(model.layer_pattern)]
-    for key, name in named:
-        if name not in REGISTRY:
-            raise ConfigError(key, f"mixer {name!r} is not registered (yet); registered: {registered}")
-        if not REGISTRY[name].supports_causal:
-            raise ConfigError(key, f"mixer {name!r} has no causal form, and a causal LM needs one")
     for name, options in model.mixer_options.items():
         if name not in REGISTRY:
             raise ConfigError(f"model.mixer_options.{name}", f"no mixer {name!r}; registered: {registered}")
@@ -278,6 +305,24 @@ def _validate_mixers(model: DictConfig, seq_len: int) -> None:
             if not _same_type(value, known[option]):
                 default = known[option]
                 raise ConfigError(key, f"{value!r} should be a {type(default).__name__} like the default {default!r}")
+
+
+def _validate_mixers(model: DictConfig, seq_len: int) -> None:
+    """Every mixer the LM names is registered and causal and builds with its options (on the meta device); a mixer
+    with a longest sequence (``max_seq_len``, e.g. aft_full's position bias) covers ``train.seq_len``."""
+    import torch
+
+    from .attention import REGISTRY, build_mixer
+    from .models.lm import mixer_kwargs
+
+    registered = ", ".join(sorted(REGISTRY)) or "none"
+    named = [("model.mixer", model.mixer)]
+    named += [(f"model.layer_pattern[{i}]", name) for i, name in enumerate(model.layer_pattern)]
+    for key, name in named:
+        if name not in REGISTRY:
+            raise ConfigError(key, f"mixer {name!r} is not registered (yet); registered: {registered}")
+        if not REGISTRY[name].supports_causal:
+            raise ConfigError(key, f"mixer {name!r} has no causal form, and a causal LM needs one")
     for name in dict.fromkeys(list(model.layer_pattern) or [model.mixer]):
         try:
             with torch.device("meta"):
@@ -313,10 +358,11 @@ def _resolve_vocab_size(cfg: DictConfig) -> None:
         raise ConfigError("data.tokenizer", f"cannot load sentencepiece model {cfg.data.tokenizer}: {err}") from None
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tokenizer_vocab
-    _require(cfg, "model.vocab_size", cfg.model.vocab_size >= tokenizer_vocab,
+    require(cfg, "model.vocab_size", cfg.model.vocab_size >= tokenizer_vocab,
              f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
 
 
-def _require(cfg: DictConfig, key: str, ok: bool, message: str) -> None:
+def require(cfg: DictConfig, key: str, ok: bool, message: str) -> None:
+    """Raise a ``ConfigError`` naming ``key`` (and its value) unless ``ok``."""
     if not ok:
         raise ConfigError(key, f"{message} (got {OmegaConf.select(cfg, key)!r})")

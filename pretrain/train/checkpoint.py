@@ -101,7 +101,7 @@ def load_trained_model(run: Path, tag: str = "latest"):
     DeepSpeed's ``zero_to_fp32`` reports on stdout; that goes to stderr so a tool's stdout stays its results.
     """
     from ..config import load_config
-    from ..models import build_lm
+    from ..tasks import build_model
 
     run = Path(run)
     cfg = load_config(run / "config.yaml")
@@ -109,7 +109,7 @@ def load_trained_model(run: Path, tag: str = "latest"):
     resolved = latest_tag(ckpt_dir) if tag == "latest" else tag
     if resolved is None:
         raise FileNotFoundError(f"{ckpt_dir} has no 'latest' checkpoint; pass --tag")
-    model = build_lm(cfg.model)
+    model = build_model(cfg)  # the run's task decides: a causal LM or a vision backbone
     with contextlib.redirect_stdout(sys.stderr):
         weights = load_model_weights(ckpt_dir, resolved, zero_stage=cfg.deepspeed.zero_stage)
     model.load_state_dict(weights)

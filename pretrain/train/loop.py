@@ -1,6 +1,8 @@
 """The training loop: batches → DeepSpeed engine → metrics, validation and checkpoints; resumes exactly.
 
-The loop knows no mixer: it sees a model that maps token ids to logits, and an engine that steps it.
+The loop knows no mixer and no task: a ``pretrain.tasks`` Task gives it the data, the model, the loss of a batch
+and the validation figures; the loop keeps what every task shares (engine, metrics, checkpoints, resume, signals,
+non-finite steps).
 """
 import functools
 import math
@@ -12,16 +14,11 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.config import ConfigError
-from pretrain.data import TokenLoader, Tokenizer
-from pretrain.data.shards import expand_shards
-from pretrain.data.text_shards import iter_shard_documents
 from pretrain.distributed import World, apply_activation_checkpointing, build_engine, init_process_group
 from pretrain.distributed.engine import step_with_grad_norm
-from pretrain.models import build_lm
+from pretrain.tasks import build_task
 
 from . import checkpoint
-from .evaluate import batch_nll, score_documents
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from .preemption import StopRequest
 from .rng import rng_state, seed_everything, set_rng_state
@@ -36,7 +33,7 @@ class NonFiniteLossError(RuntimeError):
 @dataclass
 class Counters:
     step: int = 0               # training iterations done (skipped ones included)
-    tokens_seen: int = 0        # over all ranks
+    units_seen: int = 0         # tokens or images (the task's unit), over all ranks
     nonfinite_skipped: int = 0  # steps with a non-finite loss (skipped) or gradient norm, over the run
     nonfinite_in_a_row: int = 0
 
@@ -47,7 +44,7 @@ def _all_ranks_mean(value: torch.Tensor, world: World) -> torch.Tensor:
     return value / world.world_size
 
 
-def train_step(engine, batches, world: World, accum: int) -> tuple[float | None, float | None]:
+def train_step(engine, task, batches, world: World, accum: int) -> tuple[float | None, float | None]:
     """One optimizer step over ``accum`` micro-batches: (loss averaged over ranks and micro-batches, grad norm).
 
     A non-finite loss on any rank skips the step (no backward, no update, remaining micro-batches drawn unused so
@@ -57,8 +54,8 @@ def train_step(engine, batches, world: World, accum: int) -> tuple[float | None,
     total, grad_norm = 0.0, None
     for micro in range(accum):
         batch = next(batches)
-        nll, count = batch_nll(engine, batch, world.device)
-        loss = nll / count
+        loss_sum, count = task.loss(engine, batch, world.device)
+        loss = loss_sum / count
         mean_loss = _all_ranks_mean(loss, world).item()
         if not math.isfinite(mean_loss):
             if micro > 0:
@@ -81,42 +78,23 @@ def _stop_requested(stop: StopRequest, world: World) -> bool:
 
 
 class Throughput:
-    """Tokens/s and achieved FLOP/s over the training steps since the last report (pauses are not counted)."""
+    """Units (tokens, images) per second and achieved FLOP/s over the training steps since the last report (pauses
+    are not counted)."""
 
-    def __init__(self, tokens_per_step: int, train_flops_per_token: float, world_size: int):
-        self.tokens_per_step, self.flops_per_token, self.world_size = tokens_per_step, train_flops_per_token, world_size
+    def __init__(self, unit: str, units_per_step: int, train_flops_per_unit: float, world_size: int):
+        self.unit, self.units_per_step, self.flops_per_unit = unit, units_per_step, train_flops_per_unit
+        self.world_size = world_size
         self.restart()
 
     def restart(self) -> None:
         self.start, self.steps = time.perf_counter(), 0
 
     def report(self) -> dict[str, float]:
-        tokens_per_s = self.steps * self.tokens_per_step / (time.perf_counter() - self.start)
+        per_s = self.steps * self.units_per_step / (time.perf_counter() - self.start)
         self.restart()
-        per_rank = tokens_per_s / self.world_size
-        return {"train/tokens_per_s": tokens_per_s, "train/tokens_per_s_per_rank": per_rank,
-                "train/flops_per_s_per_rank": self.flops_per_token * per_rank}
-
-
-def _open_data(cfg: DictConfig, world: World) -> tuple[Tokenizer, TokenLoader, list[str]]:
-    """The run's tokenizer, this rank's training stream and the validation shards; bad paths name their key."""
-    try:
-        tokenizer = Tokenizer(cfg.data.tokenizer)
-    except (OSError, ValueError) as err:
-        raise ConfigError("data.tokenizer", str(err)) from None
-    try:  # a missing, foreign or too small set of shards (ShardError is a ValueError)
-        loader = TokenLoader(cfg.data.train_shards, seq_len=cfg.train.seq_len, batch_size=cfg.train.micro_batch_size,
-                             rank=world.rank, world_size=world.world_size, seed=cfg.run.seed,
-                             num_workers=cfg.data.num_workers, shuffle_buffer=cfg.data.shuffle_buffer,
-                             allow_pipe=cfg.data.allow_pipe, skip_corrupt=cfg.data.skip_corrupt,
-                             tokenizer_sha256=tokenizer.sha256)
-    except (OSError, ValueError) as err:
-        raise ConfigError("data.train_shards", str(err)) from None
-    try:
-        val_urls = expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe) if cfg.data.val_shards else []
-    except (OSError, ValueError) as err:
-        raise ConfigError("data.val_shards", str(err)) from None
-    return tokenizer, loader, val_urls
+        per_rank = per_s / self.world_size
+        return {f"train/{self.unit}_per_s": per_s, f"train/{self.unit}_per_s_per_rank": per_rank,
+                "train/flops_per_s_per_rank": self.flops_per_unit * per_rank}
 
 
 class Trainer:
@@ -127,11 +105,11 @@ class Trainer:
         self.world = init_process_group()
         self.run_dir = prepare_run_dir(cfg, self.world.is_main)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.tokenizer, self.loader, self.val_urls = _open_data(cfg, self.world)
+        self.task = build_task(cfg, self.world)
 
         seed_everything(cfg.run.seed)  # the same initial weights on every rank
-        model = build_lm(cfg.model)
-        train_flops_per_token = 3 * model.flops_per_token(t.seq_len)  # before ZeRO-3 partitions the weights
+        model = self.task.build_model()
+        train_flops_per_unit = self.task.train_flops_per_unit(model)  # before ZeRO-3 partitions the weights
         if cfg.deepspeed.activation_checkpointing:
             apply_activation_checkpointing(model)
         schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
@@ -141,8 +119,8 @@ class Trainer:
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main)
         self.counters = Counters()
-        self.tokens_per_step = t.micro_batch_size * t.seq_len * t.grad_accum_steps * self.world.world_size
-        self.throughput = Throughput(self.tokens_per_step, train_flops_per_token, self.world.world_size)
+        self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
+        self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
         self.peak_flops = device_peak_flops(self.world.device)
 
     def resume(self) -> None:
@@ -152,31 +130,27 @@ class Trainer:
             self.writer.text("config", "```\n" + OmegaConf.to_yaml(self.cfg) + "```")
             return
         self.counters = Counters(**resumed["counters"])
-        self.loader.load_state_dict(resumed["data"])
+        self.task.load_state_dict(resumed["data"])
         set_rng_state(resumed["rng"])
         self.writer.print(f"resumed from {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)} "
                           f"at step {self.counters.step}")
 
     def save(self) -> None:
-        state = {"counters": asdict(self.counters), "data": self.loader.state_dict(), "rng": rng_state(),
+        state = {"counters": asdict(self.counters), "data": self.task.state_dict(), "rng": rng_state(),
                  "world_size": self.world.world_size}
         tag = checkpoint.save(self.engine, self.ckpt_dir, self.counters.step, state,
                               keep_last=self.cfg.checkpoint.keep_last)
         self.writer.print(f"saved checkpoint {self.ckpt_dir / tag}")
 
     def validate(self) -> None:
-        """Loss over the validation shards' documents (round-robin over ranks), scored as eval_ppl scores them."""
-        world, t = self.world, self.cfg.train
-        documents = (doc.tokens for i, doc in enumerate(chain.from_iterable(map(iter_shard_documents, self.val_urls)))
-                     if i % world.world_size == world.rank)
+        """The task's validation figures (reduced over ranks), with the model in eval mode."""
         self.engine.eval()
-        nll, tokens = score_documents(self.engine, documents, seq_len=t.seq_len, stride=t.seq_len,
-                                      batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id,
-                                      device=world.device, max_batches=self.cfg.log.val_batches)
+        values = self.task.validate(self.engine, self.world.device)
         self.engine.train()
-        loss = nll / tokens
-        self.writer.scalars(self.counters.step, {"val/loss": loss, "val/ppl": math.exp(loss), "val/tokens": tokens})
-        self.writer.print(f"step {self.counters.step} | val loss {loss:.4f} | val ppl {math.exp(loss):.2f}")
+        self.writer.scalars(self.counters.step, values)
+        self.writer.print(f"step {self.counters.step} | " + " | ".join(
+            f"{key.removeprefix('val/').replace('_', ' ')} {value:.4f}" if isinstance(value, float) else
+            f"{key.removeprefix('val/')} {value}" for key, value in values.items()))
 
     def count_bad_step(self, loss: float | None, grad_norm: float) -> None:
         """Count a non-finite step; stop the run after ``train.max_nonfinite_steps`` of them in a row."""
@@ -195,8 +169,8 @@ class Trainer:
 
     def log(self, loss: float, grad_norm: float, lr: float) -> None:
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, **self.throughput.report(),
-                  "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.loader.epoch,
-                  "train/tokens_seen": self.counters.tokens_seen,
+                  "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.task.epoch,
+                  f"train/{self.task.unit}_seen": self.counters.units_seen,
                   "train/nonfinite_skipped": self.counters.nonfinite_skipped}
         mfu = ""
         if self.peak_flops:
@@ -204,23 +178,23 @@ class Trainer:
             mfu = f" | MFU {values['train/mfu']:.1%}"
         self.writer.scalars(self.counters.step, values)
         self.writer.print(f"step {self.counters.step}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                          f"grad {grad_norm:.3f} | {values['train/tokens_per_s']:,.0f} tok/s | "
+                          f"grad {grad_norm:.3f} | {values[f'train/{self.task.unit}_per_s']:,.0f} {self.task.unit}/s | "
                           f"{values['train/flops_per_s_per_rank'] / 1e12:.3f} TFLOP/s/rank{mfu} | "
-                          f"epoch {self.loader.epoch}")
+                          f"epoch {self.task.epoch}")
 
     def run(self) -> None:
         cfg, c, world = self.cfg, self.counters, self.world
         stop = StopRequest()
         with stop.held_from_child_processes():  # the first batch starts the loader's worker processes
-            batches = iter(self.loader)
+            batches = self.task.batches()
             first = next(batches)
         batches = chain([first], batches)
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
             lr = self.engine.get_lr()[0]
-            loss, grad_norm = train_step(self.engine, batches, world, cfg.train.grad_accum_steps)
+            loss, grad_norm = train_step(self.engine, self.task, batches, world, cfg.train.grad_accum_steps)
             c.step += 1
-            c.tokens_seen += self.tokens_per_step
+            c.units_seen += self.units_per_step
             self.throughput.steps += 1
             if loss is None or not math.isfinite(grad_norm):
                 self.count_bad_step(loss, grad_norm)
@@ -230,7 +204,7 @@ class Trainer:
                     self.log(loss, grad_norm, lr)
 
             stopping = _stop_requested(stop, world)
-            validating = bool(self.val_urls) and c.step % cfg.log.val_every == 0
+            validating = self.task.has_validation and c.step % cfg.log.val_every == 0
             saving = c.step % cfg.checkpoint.every == 0 or c.step == cfg.train.max_steps or stopping
             if validating:
                 self.validate()

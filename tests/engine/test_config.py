@@ -127,7 +127,7 @@ def test_unknown_key_in_yaml_names_key_and_file(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["task=vision"], "task"),
+    (["task=audio"], "task"),
     (["deepspeed.precision=fp8"], "deepspeed.precision"),
     (["schedule.name=linear"], "schedule.name"),
     (["model.n_heads=3"], "model.n_heads"),
@@ -209,3 +209,72 @@ def test_saved_config_reloads_identically_and_atomically(tmp_path, tokenizer):
     assert "vocab_size: 40" in path.read_text()  # the resolved value, for eval tools that read it back
     assert load_config(path, []) == cfg
     assert OmegaConf.to_container(load_config(path, [])) == OmegaConf.to_container(cfg)
+
+
+# ---------------------------------------------------------------- task: vision
+
+VISION = ["task=vision", "data.train_shards=shards/train", "vision.num_classes=10"]
+
+
+def load_vision(*overrides):
+    return load_config(None, [*VISION, *overrides])
+
+
+def refused_vision(key, *overrides):
+    with pytest.raises(ConfigError) as err:
+        load_vision(*overrides)
+    assert err.value.key == key and str(err.value).startswith(f"{key}:")
+    return str(err.value)
+
+
+def test_a_vision_config_needs_no_tokenizer_and_keeps_its_sections():
+    cfg = load_vision("vision.stage_mixers=[linear,inline,soft,aft_conv]", "augment.mixup_alpha=0.8")
+    assert cfg.data.tokenizer is None and cfg.vision.num_classes == 10
+    assert list(cfg.vision.stage_mixers) == ["linear", "inline", "soft", "aft_conv"]
+    assert cfg.augment.mixup_alpha == 0.8 and list(cfg.augment.crop_scale) == [0.08, 1.0]
+    with pytest.raises(ConfigError, match="data.tokenizer: no value given"):  # the LM still needs one
+        load_config(None, ["data.train_shards=x.tar"])
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["vision.stage_dims=[64,128,320]"], "vision.stage_dims"),
+    (["vision.stage_mixers=[soft,soft,soft]"], "vision.stage_mixers"),
+    (["vision.stage_heads=[1,3,5,8]"], "vision.stage_heads[1]"),
+    (["vision.stage_depths=[2,0,2,2]"], "vision.stage_depths[1]"),
+    (["vision.stage_mixers=[soft,soft,nonexistent,softmax]"], "vision.stage_mixers[2]"),
+    (["vision.image_size=100"], "vision.image_size"),  # not a multiple of patch_size·8 = 32
+    (["vision.patch_size=0"], "vision.patch_size"),
+    (["vision.drop_path=1.0"], "vision.drop_path"),
+    (["vision.num_classes=-1"], "vision.num_classes"),
+    (["augment.crop_scale=[0.5,0.2]"], "augment.crop_scale"),
+    (["augment.crop_scale=[0.0,1.0]"], "augment.crop_scale"),
+    (["augment.crop_scale=[0.5,1.5]"], "augment.crop_scale"),
+    (["augment.crop_scale=[0.5]"], "augment.crop_scale"),
+    (["augment.mixup_alpha=-0.1"], "augment.mixup_alpha"),
+    (["augment.cutmix_alpha=-1"], "augment.cutmix_alpha"),
+    (["augment.label_smoothing=1.0"], "augment.label_smoothing"),
+    (["augment.eval_crop_ratio=0"], "augment.eval_crop_ratio"),
+    (["vision.augment=1"], "vision.augment"),
+])
+def test_impossible_vision_values_name_the_key(overrides, key):
+    refused_vision(key, *overrides)
+
+
+def test_vision_mixer_options_are_built_non_causal_per_stage():
+    """SOFT has no causal form: a vision stage takes it; a bad option of a stage's mixer names the option's key."""
+    assert load_vision("model.mixer_options.soft.landmark_stride=2").model.mixer_options.soft.landmark_stride == 2
+    refused_vision("model.mixer_options.soft.landmark_strid", "model.mixer_options.soft.landmark_strid=2")
+    assert "stage 0" in refused_vision("model.mixer_options.linear", "vision.stage_mixers=[linear,soft,soft,soft]",
+                                       "model.mixer_options.linear.feature_map=nonexistent")
+
+
+def test_num_classes_comes_from_the_shards_manifest(tmp_path):
+    shards = tmp_path / "train"
+    shards.mkdir()
+    (shards / "manifest.json").write_text('{"classes": ["cat", "dog", "frog"], "files": []}')
+    for train_shards in (str(shards), str(shards / "shard-{000000..000009}.tar")):
+        cfg = load_config(None, ["task=vision", f"data.train_shards={train_shards}"])
+        assert cfg.vision.num_classes == 3
+    assert "3 classes" in refused_vision("vision.num_classes", f"data.train_shards={shards}", "vision.num_classes=2")
+    message = refused_vision("data.train_shards", f"data.train_shards={tmp_path / 'none'}", "vision.num_classes=0")
+    assert "manifest.json" in message and "vision.num_classes" in message

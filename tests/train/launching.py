@@ -22,14 +22,15 @@ def tiny_overrides(lm_data: dict[str, str], run_dir: Path, **extra) -> list[str]
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def launch(overrides: list[str], *, ranks: int = 1, check: bool = True, **popen) -> subprocess.CompletedProcess:
+def launch(overrides: list[str], *, ranks: int = 1, check: bool = True, config: str = "configs/tiny_lm.yaml",
+           **popen) -> subprocess.CompletedProcess:
     """Run launch/pretrain.py as a user would: plain python for one rank, torchrun for several (gloo on CPU)."""
     if ranks == 1:
         argv = [PYTHON, "launch/pretrain.py"]
     else:
         argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "launch/pretrain.py"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(argv + ["--config", "configs/tiny_lm.yaml"] + overrides, cwd=REPO, env=env,
+    result = subprocess.run(argv + ["--config", config] + overrides, cwd=REPO, env=env,
                             capture_output=True, text=True, **popen)
     if check and result.returncode != 0:
         raise AssertionError(f"launch failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")

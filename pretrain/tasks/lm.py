@@ -1,0 +1,78 @@
+"""The causal language model task: packed token rows from text shards, next-token loss, validation over documents.
+
+Validation scores the validation shards' documents (round-robin over ranks) exactly as ``tools/eval_ppl.py`` does
+(``pretrain.train.evaluate``), so the logged ``val/loss`` and eval_ppl's ``nll`` agree.
+"""
+import math
+from itertools import chain
+
+from omegaconf import DictConfig
+
+from pretrain.config import ConfigError
+from pretrain.data import TokenLoader, Tokenizer
+from pretrain.data.shards import expand_shards
+from pretrain.data.text_shards import iter_shard_documents
+from pretrain.train.evaluate import batch_nll, score_documents
+
+from . import build_model
+
+
+class LMTask:
+    unit = "tokens"
+
+    def __init__(self, cfg: DictConfig, world):
+        self.cfg, self.world, t = cfg, world, cfg.train
+        try:
+            self.tokenizer = Tokenizer(cfg.data.tokenizer)
+        except (OSError, ValueError) as err:
+            raise ConfigError("data.tokenizer", str(err)) from None
+        try:  # a missing, foreign or too small set of shards (ShardError is a ValueError)
+            self.loader = TokenLoader(cfg.data.train_shards, seq_len=t.seq_len, batch_size=t.micro_batch_size,
+                                      rank=world.rank, world_size=world.world_size, seed=cfg.run.seed,
+                                      num_workers=cfg.data.num_workers, shuffle_buffer=cfg.data.shuffle_buffer,
+                                      allow_pipe=cfg.data.allow_pipe, skip_corrupt=cfg.data.skip_corrupt,
+                                      tokenizer_sha256=self.tokenizer.sha256)
+        except (OSError, ValueError) as err:
+            raise ConfigError("data.train_shards", str(err)) from None
+        try:
+            self.val_urls = (expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe)
+                             if cfg.data.val_shards else [])
+        except (OSError, ValueError) as err:
+            raise ConfigError("data.val_shards", str(err)) from None
+        self.units_per_micro_batch = t.micro_batch_size * t.seq_len
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    @property
+    def has_validation(self) -> bool:
+        return bool(self.val_urls)
+
+    def build_model(self):
+        return build_model(self.cfg)
+
+    def train_flops_per_unit(self, model) -> float:
+        return 3 * model.flops_per_token(self.cfg.train.seq_len)
+
+    def batches(self):
+        return iter(self.loader)
+
+    def loss(self, model, batch, device):
+        return batch_nll(model, batch, device)
+
+    def validate(self, model, device) -> dict[str, float]:
+        """Mean NLL per token over the validation documents (at most ``log.val_batches`` batches per rank)."""
+        world, t = self.world, self.cfg.train
+        documents = (doc.tokens for i, doc in enumerate(chain.from_iterable(map(iter_shard_documents, self.val_urls)))
+                     if i % world.world_size == world.rank)
+        nll, tokens = score_documents(model, documents, seq_len=t.seq_len, stride=t.seq_len,
+                                      batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id, device=device,
+                                      max_batches=self.cfg.log.val_batches)
+        return {"val/loss": nll / tokens, "val/ppl": math.exp(nll / tokens), "val/tokens": tokens}
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
