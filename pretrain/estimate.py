@@ -1,5 +1,8 @@
 """Dry-run numbers for a config — parameters, training FLOPs per token, memory per rank — in seconds, no data.
 
+A vision run (``task: vision``) reports parameters, FLOPs per image and the model states per rank; its activations
+are not measured (the backbone's grid mixers are not probed on meta), and the result says so.
+
 The model is built on the meta device (shapes without storage), so a 1B-parameter config costs nothing.
 
 Model states follow the ZeRO paper (Rajbhandari et al. 2020), Ψ parameters, N ranks, Adam:
@@ -39,6 +42,8 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
     """Parameters, FLOPs per token and the memory of one rank for the run ``cfg`` on ``world_size`` ranks."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if cfg.task == "vision":
+        return estimate_vision(cfg, world_size)
     if cfg.model.vocab_size <= 0:
         raise ConfigError("model.vocab_size", f"0 and the tokenizer {cfg.data.tokenizer} does not exist; give the "
                                               "size (model.vocab_size=32000) or an existing data.tokenizer")
@@ -75,6 +80,31 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
         "seq_len": train.seq_len,
         "activation_checkpointing": ds.activation_checkpointing,
         "activations_approximated_for": approximated,  # mixers that cannot run on meta: 5·dim values per token
+    }
+
+
+def estimate_vision(cfg: DictConfig, world_size: int) -> dict:
+    """Parameters, FLOPs per image at ``vision.image_size`` and the model states of one rank of a vision run."""
+    from .models.vision import build_vision_model
+
+    ds, size = cfg.deepspeed, cfg.vision.image_size
+    with torch.device("meta"):
+        model = build_vision_model(cfg)
+    parameters = sum(p.numel() for p in model.parameters())
+    forward_flops = model.flops_per_image(size, size)
+    states = model_state_bytes(parameters, ds.precision, ds.zero_stage, world_size)
+    return {
+        "parameters": parameters,
+        "flops_per_image": 3 * forward_flops,  # training: forward + backward (2× forward)
+        "forward_flops_per_image": forward_flops,
+        "image_size": size,
+        "model_state_bytes_per_rank": sum(states.values()),
+        "memory_breakdown_bytes": states,
+        "activations": "not measured for vision",
+        "world_size": world_size,
+        "zero_stage": ds.zero_stage,
+        "precision": ds.precision,
+        "micro_batch_size": cfg.train.micro_batch_size,
     }
 
 
