@@ -5,8 +5,12 @@ The images are flat colours, each its own, so a crop of any size still says whic
 import io
 import pickle
 import random
+import re
+import subprocess
+import sys
 from collections import Counter
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +272,13 @@ def test_text_shards_and_bad_arguments_are_refused_naming_them(numbered_shards, 
             ImageLoader(images, **{"image_size": 8, "batch_size": 2, "world_size": 2, key: value})
     with pytest.raises(ShardError, match="fewer than world_size=8"):
         ImageLoader(images, image_size=8, batch_size=2, rank=0, world_size=8)
+
+
+def test_bench_images_reports_each_path_side_by_side(image_set):
+    directory, _ = image_set
+    tool = Path(__file__).resolve().parents[2] / "tools" / "bench_images.py"
+    done = subprocess.run([sys.executable, str(tool), "--shards", directory, "--images", "30", "--image-size", "8",
+                           "--batch-size", "4", "--workers", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for path in ("decode", "train, 0 workers", "train, 1 workers", "eval, 0 workers"):
+        assert re.search(rf"{path} +\d+ images/s", done.stdout), (path, done.stdout)
