@@ -8,7 +8,8 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Route every ``model.layers[i]`` call through ``deepspeed.checkpointing.checkpoint``.
 
     Only the bound ``forward`` is replaced, so parameter names (and checkpoints) are the same with or without it.
-    Blocks are called as ``block(x, cu_seqlens, position_ids)``; all three travel positionally.
+    Blocks are called positionally: ``block(x, cu_seqlens, position_ids)`` in the LM, ``block(x, hw)`` in the vision
+    backbone.
     """
     import deepspeed
 
