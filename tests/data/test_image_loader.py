@@ -282,3 +282,17 @@ def test_bench_images_reports_each_path_side_by_side(image_set):
     assert done.returncode == 0, done.stderr
     for path in ("decode", "train, 0 workers", "train, 1 workers", "eval, 0 workers"):
         assert re.search(rf"{path} +\d+ images/s", done.stdout), (path, done.stdout)
+
+
+@pytest.mark.parametrize("mode,fmt", [("L", "PNG"), ("LA", "PNG"), ("RGBA", "PNG"), ("P", "PNG"), ("CMYK", "JPEG")])
+def test_every_image_mode_decodes_to_rgb(mode, fmt):
+    colour = (200, 120, 40)
+    image = Image.new("RGB", (9, 7), colour)
+    expected = np.asarray(image.convert(mode).convert("RGB"))
+    buffer = io.BytesIO()
+    image.convert(mode).save(buffer, format=fmt)
+    decoded = decode_rgb(buffer.getvalue())
+    assert decoded.mode == "RGB" and decoded.size == (9, 7)
+    assert np.abs(np.asarray(decoded, dtype=np.int16) - expected).max() <= 2  # jpeg: a little noise
+    if mode in ("L", "LA"):
+        assert np.ptp(np.asarray(decoded), axis=2).max() == 0  # gray: equal channels
