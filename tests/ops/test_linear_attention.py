@@ -286,3 +286,23 @@ def test_packed_documents_need_batch_one():
     q, k, v = make_inputs(2, 10)
     with pytest.raises(ValueError, match="cu_seqlens needs batch size 1"):
         linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 10]))
+
+
+@pytest.mark.parametrize("impl", ["chunk", "recurrent"])
+@pytest.mark.parametrize("normalize", NORMALIZATIONS)
+def test_bf16_inputs_with_an_fp32_state_keep_each_dtype(impl, normalize):
+    """What DeepSpeed bf16 training and bf16 decoding hand the op: bf16 q, k, v (packed documents) and an fp32
+    carried state. The output and the gradients of q, k, v come back bf16; the final state and the state's
+    gradients stay fp32 and carry fp32 accuracy (held to the naive form on the same inputs at 1e-5, which a
+    trip through bf16, eps 8e-3, would fail)."""
+    cu_seqlens = torch.tensor([0, 7, 30, 41], dtype=torch.int32)
+    q, k, v = make_inputs(1, 41, 2, 8, 6, dtype=torch.bfloat16, seed=20)
+    state = make_state(3, 2, 8, 6, normalize, dtype=torch.float32, seed=21)
+    kwargs = dict(normalize=normalize, cu_seqlens=cu_seqlens, chunk_size=CHUNK)
+    o, final, grads = run_with_grads(q, k, v, state, impl=impl, **kwargs)
+    _, final_ref, grads_ref = run_with_grads(q, k, v, state, impl="naive", **kwargs)
+    assert o.dtype == torch.bfloat16
+    assert [f.dtype for f in final if f is not None] == [torch.float32] * len(FIELDS[normalize])
+    assert [g.dtype for g in grads] == [torch.bfloat16] * 3 + [torch.float32] * len(FIELDS[normalize])
+    assert_close_all(final, final_ref, rtol=1e-5, atol=1e-5, what="final state")
+    assert_close_all(grads[3:], grads_ref[3:], rtol=1e-5, atol=1e-5, what="state grad")

@@ -123,3 +123,16 @@ def test_compiled_lm_is_one_graph_with_eager_logits_and_gradients():
     assert grads_c.keys() == grads.keys()
     for name in grads:
         torch.testing.assert_close(grads_c[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_registration_passes_opcheck_in_bf16_with_an_fp32_state():
+    """The dtypes bf16 training sees: the fake implementation must promise what the real one returns
+    (bf16 output and q, k, v gradients; fp32 final state and state gradients)."""
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in inputs(1, 23, 2, 8, seed=4))
+    cu_seqlens = torch.tensor([0, 9, 23], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    initial = [torch.rand(2, 2, 8, 8, generator=gen).requires_grad_(), torch.rand(2, 2, 8, generator=gen)
+               .requires_grad_(), torch.randn(2, 2, 8, generator=gen).requires_grad_(), torch.full((2, 2), 3.0)]
+    torch.library.opcheck(_forward, (q, k, v, *initial, cu_seqlens, True, "subtractive", 1e-6, 16, "chunk"))
+    o, *final = _forward(q, k, v, *initial, cu_seqlens, True, "subtractive", 1e-6, 16, "chunk")
+    assert o.dtype == torch.bfloat16 and {f.dtype for f in final} == {torch.float32}
