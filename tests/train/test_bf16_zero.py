@@ -22,8 +22,8 @@ STEPS, CUT = 12, 6
 LINEAR_MIXERS = ("linear", "cosine", "inline")
 
 
-def bf16_overrides(lm_data, run_dir, stage, steps):
-    linear_impl = {f"model__mixer_options__{name}__impl": "chunk" for name in LINEAR_MIXERS}
+def bf16_overrides(lm_data, run_dir, stage, steps, impl="chunk"):
+    linear_impl = {f"model__mixer_options__{name}__impl": impl for name in LINEAR_MIXERS}
     return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, deepspeed__precision="bf16",
                           model__n_layers=4, model__layer_pattern="[" + ",".join(LINEAR_MIXERS) + ",softmax]",
                           train__max_steps=steps, train__grad_clip=0.0, schedule__name="constant",
@@ -90,3 +90,21 @@ def test_checkpoints_hold_fp32_masters_and_bf16_weights(runs):
     masters = checkpoint.load_model_weights(runs[2] / "checkpoints", checkpoint.tag_for(STEPS), zero_stage=2)
     for name, w in weights.items():
         assert torch.equal(masters[name].bfloat16(), w), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_kernels_train_under_bf16_zero2_and_zero3(lm_data, tmp_path):
+    """The same model with ``impl=triton`` on one GPU (one rank: nccl wants a device per rank). With one rank and
+    no clipping the two stages do the same arithmetic, and the kernels use no atomics: equal losses, bit for bit
+    (the logged norms sum their squares in another order, as on CPU)."""
+    curves = {}
+    for stage in (2, 3):
+        launch(bf16_overrides(lm_data, tmp_path / f"zero{stage}", stage, STEPS, impl="triton"))
+        curves[stage] = read_metrics(tmp_path / f"zero{stage}")
+    losses = [curves[2][step]["train/loss"] for step in range(1, STEPS + 1)]
+    assert [curves[3][step]["train/loss"] for step in range(1, STEPS + 1)] == losses
+    for step in range(1, STEPS + 1):
+        norms = [curves[stage][step]["train/grad_norm"] for stage in (2, 3)]
+        assert math.isfinite(norms[0]) and norms[1] == pytest.approx(norms[0], rel=1e-6), (step, norms)
+    assert all(math.isfinite(x) for x in losses) and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
