@@ -120,3 +120,15 @@ def test_a_bad_vision_key_is_named_and_nothing_is_written(image_data, tmp_path):
                     config=CONFIG)
     assert result.returncode == 2 and "vision.stage_heads[1]" in result.stderr, result.stderr[-3000:]
     assert not (tmp_path / "bad").exists()
+
+
+def test_dry_run_reports_parameters_and_flops_per_image():
+    """The dry run's numbers of a vision preset: no data, the backbone on the meta device; ZeRO shards its states."""
+    from pretrain.config import load_config
+    from pretrain.estimate import estimate
+
+    cfg = load_config(REPO / "configs/vision/cifar10_soft.yaml", ["deepspeed.zero_stage=2"])
+    one, four = estimate(cfg, 1), estimate(cfg, 4)
+    assert one["parameters"] == four["parameters"] > 0 and one["image_size"] == 32
+    assert one["flops_per_image"] == 3 * one["forward_flops_per_image"] > 2 * one["parameters"]
+    assert four["model_state_bytes_per_rank"] < one["model_state_bytes_per_rank"]
