@@ -74,22 +74,24 @@ def test_checkpoints_hold_fp32_masters_and_bf16_weights(runs):
     """ZeRO-2's model file holds the bf16 weights the ranks compute with; every ZeRO checkpoint holds fp32
     masters (reassembled here from the ranks' optimizer files) of which those weights are the rounding, and the
     masters keep bits that bf16 cannot hold (they are no upcast copy)."""
+    tag = checkpoint.tag_for(STEPS)
+    masters = {}
     for stage, run in runs.items():
-        tag = checkpoint.tag_for(STEPS)
-        masters = checkpoint.load_model_weights(run / "checkpoints", tag, zero_stage=stage)
-        assert {t.dtype for t in masters.values()} == {torch.float32}, stage
-        moved = [name for name, w in masters.items() if not torch.equal(w.bfloat16().float(), w)]
+        masters[stage] = checkpoint.load_model_weights(run / "checkpoints", tag, zero_stage=stage)
+        assert {t.dtype for t in masters[stage].values()} == {torch.float32}, stage
+        moved = [name for name, w in masters[stage].items() if not torch.equal(w.bfloat16().float(), w)]
         assert "layers.0.mixer.q_proj.weight" in moved and "layers.3.mixer.q_proj.weight" in moved, (stage, moved)
-        for path in (run / "checkpoints" / tag).glob("bf16_zero_pp_rank_*_optim_states.pt"):
+        partitions = sorted((run / "checkpoints" / tag).glob("bf16_zero_pp_rank_*_optim_states.pt"))
+        assert len(partitions) == 2, partitions
+        for path in partitions:
             state = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
             flat = state["single_partition_of_fp32_groups" if stage == 2 else "fp32_flat_groups"]
             assert {t.dtype for t in flat} == {torch.float32}, path
-    weights = torch.load(runs[2] / "checkpoints" / checkpoint.tag_for(STEPS) / "mp_rank_00_model_states.pt",
-                         map_location="cpu", weights_only=False)["module"]
+    weights = torch.load(runs[2] / "checkpoints" / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                         weights_only=False)["module"]
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
-    masters = checkpoint.load_model_weights(runs[2] / "checkpoints", checkpoint.tag_for(STEPS), zero_stage=2)
     for name, w in weights.items():
-        assert torch.equal(masters[name].bfloat16(), w), name
+        assert torch.equal(masters[2][name].bfloat16(), w), name
 
 
 @pytest.mark.gpu
