@@ -171,3 +171,12 @@ def test_bad_world_size_and_unknown_vocabulary_are_refused():
         estimate(tiny(), world_size=0)
     with pytest.raises(ConfigError, match="model.vocab_size: 0 and the tokenizer absent.model does not exist"):
         estimate(tiny("model.vocab_size=0"), world_size=1)
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "lm").glob("*_1b.yaml")), ids=lambda path: path.stem)
+def test_every_mixer_family_1b_config_is_about_a_billion_parameters_and_fits_8_gpus(path):
+    result = estimate(load_config(path, []), world_size=8)
+    assert 0.9e9 < result["parameters"] < 1.5e9
+    # 6 FLOPs per matmul weight (norm gains do none) plus what the mixer adds
+    assert 5.9 * result["parameters"] < result["flops_per_token"] < 8 * result["parameters"]
+    assert result["memory_per_rank_bytes"] < 80 * 2**30  # ZeRO-2 on 8 ranks of 80 GB
