@@ -1,0 +1,105 @@
+"""Train one LM per config at the same budget, score each on held-out text, and tabulate the mixers side by side.
+
+    python tools/compare_mixers.py --configs configs/tiny_lm.yaml configs/lm/*_tiny.yaml --out runs/compare \\
+        --eval-data ../shared/data/text/wikitext-2/test.txt --json benchmarks/quality.json \\
+        data.tokenizer=/tmp/wt/tok.model data.train_shards=/tmp/wt/train data.val_shards=/tmp/wt/valid \\
+        train.max_steps=200 train.micro_batch_size=8
+
+Every run gets the same overrides (budget, data, seed), so only the configs' own keys differ. Runs go one at a
+time, each as one process (``launch/pretrain.py`` under plain python: a CPU or one-GPU sweep), and are scored by
+``tools/eval_ppl.py``. A run whose ``eval.json`` exists
+is not redone, so an interrupted sweep continues where it stopped. Prints a markdown table; ``--json`` keeps rows.
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pretrain.config import load_config  # noqa: E402
+from pretrain.models import build_lm  # noqa: E402
+
+COLUMNS = [("mixer", "{}"), ("params", "{:,}"), ("tokens", "{:,}"), ("train_s", "{:.0f}"), ("tokens_per_s", "{:.0f}"),
+           ("val_ppl", "{:.1f}"), ("test_ppl", "{:.1f}"), ("word_ppl", "{:.0f}"), ("bits_per_byte", "{:.3f}")]
+
+
+def run_logged(command: list[str], log: Path) -> float:
+    """Run ``command`` with its output in ``log``; its wall time in seconds. A failure names the command and log."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if code != 0:
+        raise SystemExit(f"exit {code}: {' '.join(command)}\n(see {log})")
+    return time.perf_counter() - start
+
+
+def mixer_label(config_path: str, overrides: list[str]) -> str:
+    model = load_config(config_path, overrides).model
+    return "+".join(model.layer_pattern) if model.layer_pattern else model.mixer
+
+
+def parameter_count(config_path: str, overrides: list[str]) -> int:
+    with torch.device("meta"):
+        model = build_lm(load_config(config_path, overrides).model)
+    return sum(p.numel() for p in model.parameters())
+
+
+def compare(config_path: str, args: argparse.Namespace) -> dict:
+    run_dir = args.out / Path(config_path).stem
+    result_file = run_dir / "eval.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = [*args.overrides, f"run.dir={run_dir}"]
+    train = [sys.executable, "launch/pretrain.py", "--config", config_path, *overrides]
+    train_s = run_logged(train, run_dir / "train.log")
+    evaluate = [sys.executable, "tools/eval_ppl.py", "--run", str(run_dir), "--data", *args.eval_data, "--json"]
+    run_logged(evaluate, run_dir / "eval.log")
+    scores = json.loads((run_dir / "eval.log").read_text().strip().splitlines()[-1])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    tokens = max(m["train/tokens_seen"] for m in metrics if "train/tokens_seen" in m)
+    val = [m["val/ppl"] for m in metrics if "val/ppl" in m]
+    row = {"config": config_path, "mixer": mixer_label(config_path, overrides),
+           "params": parameter_count(config_path, overrides), "tokens": tokens, "train_s": train_s,
+           "tokens_per_s": tokens / train_s, "val_ppl": val[-1] if val else float("nan"),
+           "test_ppl": scores["ppl"], "word_ppl": scores["word_ppl"], "bits_per_byte": scores["bits_per_byte"],
+           "final_train_loss": [m["train/loss"] for m in metrics if "train/loss" in m][-1],
+           "nonfinite_skipped": max(m.get("train/nonfinite_skipped", 0) for m in metrics),
+           "train_command": " ".join(train), "eval_command": " ".join(evaluate)}
+    result_file.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(name for name, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt.format(row[name]) for name, fmt in COLUMNS) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", required=True, help="LM configs, one run each, in this order")
+    parser.add_argument("--out", type=Path, required=True, help="folder of the run directories (one per config)")
+    parser.add_argument("--eval-data", nargs="+", required=True, help="held-out text files or shards (eval_ppl --data)")
+    parser.add_argument("--json", type=Path, help="also write every row (with its commands) here")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
+    args = parser.parse_args(argv)
+    rows = []
+    for config_path in args.configs:
+        rows.append(compare(config_path, args))
+        print(f"done {config_path}: test ppl {rows[-1]['test_ppl']:.1f}", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"overrides": args.overrides, "eval_data": args.eval_data, "rows": rows},
+                                        indent=1))
+    print(markdown_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
