@@ -78,6 +78,18 @@ def build_engine(cfg: DictConfig, model: nn.Module, world_size: int, lr_at_step:
     return engine
 
 
+def reapply_lr_schedule(engine) -> None:
+    """Set the optimizer's LR from this run's schedule at the restored step, after loading a checkpoint.
+
+    The checkpoint brings back the LR the earlier run computed, and its scheduler only recomputes after the next
+    step; a relaunch that changed the schedule (``train.max_steps``) would take one step at the old run's LR.
+    Stepping the restored scheduler back and forward once recomputes it with this run's schedule function.
+    """
+    scheduler = engine.lr_scheduler
+    scheduler.last_epoch -= 1
+    scheduler.step()
+
+
 def step_with_grad_norm(engine) -> float | None:
     """``engine.step()``; at an accumulation boundary also the global gradient norm (before clipping).
 

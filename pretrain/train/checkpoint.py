@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..distributed.engine import reapply_lr_schedule
+
 TAG = re.compile(r"step(\d{8})")
 
 
@@ -74,6 +76,7 @@ def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
     loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if loaded is None:
         raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+    reapply_lr_schedule(engine)  # a relaunch may have changed train.max_steps, so the schedule
     return client_state
 
 

@@ -107,6 +107,24 @@ def test_sigterm_saves_and_relaunch_resumes_exactly(zero_run, lm_data, tmp_path)
     assert resumed[STEPS]["val/loss"] == reference[STEPS]["val/loss"]
 
 
+def test_a_relaunch_with_more_steps_follows_the_new_schedule_from_its_first_step(zero_run, lm_data, tmp_path):
+    """train.max_steps may change on relaunch; the learning rate of the first resumed step must come from the new
+    cosine schedule, not from the optimizer state the checkpoint restored (the old schedule's value)."""
+    import shutil
+
+    from pretrain.train.schedule import lr_at
+
+    run = tmp_path / "extended"
+    shutil.copytree(zero_run(0), run)
+    (run / "checkpoints" / "latest").write_text(checkpoint.tag_for(15))
+    launch([*run_overrides(lm_data, run, 0), f"train.max_steps={2 * STEPS}"], ranks=2)  # the later override wins
+    logged = read_metrics(run)
+    schedule = dict(lr=3e-3, min_lr=3e-4, name="cosine", warmup_steps=5, decay_steps=0)  # tiny_overrides' values
+    for step in (16, 17, 2 * STEPS):
+        assert logged[step]["train/lr"] == pytest.approx(lr_at(step - 1, max_steps=2 * STEPS, **schedule), rel=1e-6)
+    assert lr_at(15, max_steps=STEPS, **schedule) != pytest.approx(lr_at(15, max_steps=2 * STEPS, **schedule))
+
+
 @pytest.mark.parametrize("stage,ranks", [(0, 1), (3, 2)])
 def test_eval_ppl_agrees_with_the_logged_validation_loss(zero_run, lm_data, stage, ranks):
     """One process, or two ranks sharing the documents; the checkpoint's weights reassembled from any ZeRO stage."""
