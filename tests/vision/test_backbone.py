@@ -58,16 +58,17 @@ def test_a_non_square_grid_keeps_rows_and_columns_apart(variant):
     """Transposing the image and every 2-D kernel must transpose nothing else: the mixers here are blind to token
     order beyond their kernels, and pooling is a mean, so the logits stay the same. A grid read with H and W swapped
     anywhere would scramble the neighbourhoods and change them."""
-    model = tiny_model(variant).double().eval()
-    images = torch.randn(2, 3, 32, 64, dtype=torch.float64)
-    logits = model(images)
+    model = tiny_model(variant).eval()
+    images = torch.randn(2, 3, 32, 64)
     with torch.no_grad():
+        logits = model(images)
         for name, param in model.named_parameters():
             if param.dim() == 4 or name.endswith("pos_bias"):  # conv weights [O, I, kh, kw]; AFT's [heads, k, k]
                 param.copy_(param.transpose(-1, -2).clone())
-    torch.testing.assert_close(model(images.transpose(-1, -2)), logits)
-    with torch.no_grad():
-        assert (model(images.flip(-1)) - logits).abs().amax() > 1e-6  # while a mirror image is another image
+        transposed = model(images.transpose(-1, -2))
+        mirrored = model(images.flip(-1))
+    torch.testing.assert_close(transposed, logits, rtol=1e-4, atol=1e-5)  # fp32 sums in another order
+    assert (mirrored - logits).abs().amax() > 1e-3  # while a mirror image is another image
 
 
 def test_weights_trained_at_one_resolution_run_at_others(tmp_path):
