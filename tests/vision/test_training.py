@@ -9,11 +9,15 @@ import os
 import random
 import subprocess
 
+import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.data.images import make_image_shards
+from pretrain.tasks.vision import mix_batch, smoothed_targets, soft_cross_entropy_sum
 
 from train.launching import PYTHON, REPO, launch, read_metrics
 
@@ -132,3 +136,28 @@ def test_dry_run_reports_parameters_and_flops_per_image():
     assert one["parameters"] == four["parameters"] > 0 and one["image_size"] == 32
     assert one["flops_per_image"] == 3 * one["forward_flops_per_image"] > 2 * one["parameters"]
     assert four["model_state_bytes_per_rank"] < one["model_state_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("mixup_alpha,cutmix_alpha", [(0.4, 0.0), (0.0, 1.0), (0.4, 1.0)])
+def test_mixed_targets_weigh_each_source_image_by_its_share_of_the_pixels(mixup_alpha, cutmix_alpha):
+    """Image b is filled with the value b and labelled b: after mixup or cutmix, the mean pixel of each mixed image
+    must equal the target-weighted mean of the labels (blend weight, or the pasted box's actual area)."""
+    batch, rng = 7, np.random.default_rng(0)
+    images = torch.arange(batch, dtype=torch.float64)[:, None, None, None].expand(batch, 3, 12, 20)
+    for _ in range(5):
+        mixed, targets = mix_batch(images, F.one_hot(torch.arange(batch), batch).double(), mixup_alpha=mixup_alpha,
+                                   cutmix_alpha=cutmix_alpha, rng=rng)
+        torch.testing.assert_close(targets.sum(-1), torch.ones(batch, dtype=torch.float64))
+        torch.testing.assert_close(mixed.mean((1, 2, 3)), targets @ torch.arange(batch, dtype=torch.float64))
+    assert not torch.equal(mixed, images)
+    unmixed = mix_batch(images, targets, mixup_alpha=0.0, cutmix_alpha=0.0, rng=rng)
+    assert unmixed[0] is images and unmixed[1] is targets
+
+
+def test_smoothed_soft_cross_entropy_is_torchs_label_smoothing():
+    logits, labels = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 4, 2, 2, 1, 3])
+    for smoothing in (0.0, 0.1, 0.5):
+        targets = smoothed_targets(labels, 5, smoothing)
+        assert targets[0, 0] == pytest.approx(1 - smoothing + smoothing / 5)
+        expected = F.cross_entropy(logits.float(), labels, label_smoothing=smoothing, reduction="sum")
+        torch.testing.assert_close(soft_cross_entropy_sum(logits, targets), expected)
