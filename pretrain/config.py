@@ -257,8 +257,8 @@ def _validate(cfg: DictConfig) -> None:
         require(cfg, key, OmegaConf.select(cfg, key) >= 0, "must be >= 0")
 
     model = cfg.model
-    validate_mixer_options(model)
-    if cfg.task == "lm":
+    if cfg.task == "lm":  # vision checks its options per stage (config_vision)
+        validate_mixer_options(model)
         require(cfg, "data.tokenizer", cfg.data.tokenizer is not None, "task lm needs a sentencepiece model")
         require(cfg, "model.n_heads", model.dim % model.n_heads == 0,
                  f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
@@ -289,8 +289,11 @@ def _validate(cfg: DictConfig) -> None:
                  "pipe: URLs run shell commands; set data.allow_pipe=true to allow them")
 
 
-def validate_mixer_options(model: DictConfig) -> None:
-    """Every ``model.mixer_options`` entry names a registered mixer and options it takes, of the default's type."""
+def validate_mixer_options(model: DictConfig, *, stages: int | None = None) -> None:
+    """Every ``model.mixer_options`` entry names a registered mixer and options it takes, of the default's type.
+
+    A staged model (the vision backbone, ``stages`` of them) also takes a list with one such value per stage.
+    """
     from .attention import REGISTRY, mixer_options
 
     registered = ", ".join(sorted(REGISTRY)) or "none"
@@ -302,9 +305,14 @@ def validate_mixer_options(model: DictConfig) -> None:
             key = f"model.mixer_options.{name}.{option}"
             if option not in known:
                 raise ConfigError(key, f"unknown option; {name!r} takes {sorted(known)}")
-            if not _same_type(value, known[option]):
-                default = known[option]
-                raise ConfigError(key, f"{value!r} should be a {type(default).__name__} like the default {default!r}")
+            default = known[option]
+            per_stage = stages is not None and OmegaConf.is_list(value) and not isinstance(default, (list, tuple))
+            if per_stage and len(value) != stages:
+                raise ConfigError(key, f"a per-stage list needs {stages} entries, one per stage; got {len(value)}")
+            if not all(_same_type(v, default) for v in (value if per_stage else [value])):
+                per = " (or a list of them, one per stage)" if stages is not None else ""
+                raise ConfigError(key, f"{value!r} should be a {type(default).__name__}{per} like the default "
+                                       f"{default!r}")
 
 
 def _validate_mixers(model: DictConfig, seq_len: int) -> None:

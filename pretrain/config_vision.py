@@ -7,7 +7,7 @@ import os
 
 from omegaconf import DictConfig
 
-from .config import ConfigError, require
+from .config import ConfigError, require, validate_mixer_options
 
 STAGES = 4  # the backbone's stages: the grid halves after each, so the output stride is patch_size·8
 
@@ -30,6 +30,7 @@ def validate_vision(cfg: DictConfig) -> None:
         require(cfg, f"vision.stage_depths[{i}]", depth > 0, "must be > 0")
         require(cfg, f"vision.stage_heads[{i}]", heads > 0 and dim % heads == 0,
                 f"must be > 0 and divide vision.stage_dims[{i}] = {dim}")
+    validate_mixer_options(cfg.model, stages=STAGES)
     _validate_stage_mixers(cfg)
 
     lo, hi = (list(a.crop_scale) + [None, None])[:2]
@@ -54,7 +55,7 @@ def _validate_stage_mixers(cfg: DictConfig) -> None:
     import torch
 
     from .attention import REGISTRY, build_mixer
-    from .models.lm import mixer_kwargs
+    from .models.vision import stage_options
 
     v = cfg.vision
     for i, (name, dim, heads) in enumerate(zip(v.stage_mixers, v.stage_dims, v.stage_heads)):
@@ -63,7 +64,7 @@ def _validate_stage_mixers(cfg: DictConfig) -> None:
                               f"mixer {name!r} is not registered; registered: {', '.join(sorted(REGISTRY))}")
         try:
             with torch.device("meta"):
-                build_mixer(name, dim, heads, causal=False, options=mixer_kwargs(cfg.model, name))
+                build_mixer(name, dim, heads, causal=False, options=stage_options(cfg.model, name, i, STAGES))
         except (ValueError, TypeError) as err:
             raise ConfigError(f"model.mixer_options.{name}",
                               f"mixer {name!r} cannot be built for stage {i} (dim {dim}, {heads} heads): {err}"

@@ -268,6 +268,16 @@ def test_vision_mixer_options_are_built_non_causal_per_stage():
                                        "model.mixer_options.linear.feature_map=nonexistent")
 
 
+def test_a_vision_mixer_option_may_differ_per_stage():
+    """SOFT's published landmark strides shrink with the grid (8, 4, 2): one value per stage, each type-checked."""
+    cfg = load_vision("model.mixer_options.soft.landmark_stride=[8,4,2,1]")
+    assert list(cfg.model.mixer_options.soft.landmark_stride) == [8, 4, 2, 1]
+    assert "4 entries" in refused_vision("model.mixer_options.soft.landmark_stride",
+                                         "model.mixer_options.soft.landmark_stride=[8,4,2]")
+    refused_vision("model.mixer_options.soft.landmark_stride", "model.mixer_options.soft.landmark_stride=[8,4,2,x]")
+    refused("model.mixer_options.softmax.rope_theta", "model.mixer_options.softmax.rope_theta=[1.0,2.0,3.0,4.0]")
+
+
 def test_num_classes_comes_from_the_shards_manifest(tmp_path):
     shards = tmp_path / "train"
     shards.mkdir()
