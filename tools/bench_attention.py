@@ -119,8 +119,10 @@ def main(argv=None):
             tqdm.write(f"T={seq_len:>6}  {r['mixer']:<14} {benchlib.summary(r)}")
     title = (f"{records[0]['device']}, B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}, "
              f"{torch.get_num_threads()} threads")
+    # ratios against the softmax op, or against the softmax module when only that one was measured
+    baseline = "module:softmax" if "module:softmax" in args.mixers and "softmax" not in args.mixers else "softmax"
     benchlib.write_reports(records, args, title, x="seq_len", series="mixer", x_label="sequence length T",
-                           x_header="T", baseline="softmax")
+                           x_header="T", baseline=baseline)
 
 
 if __name__ == "__main__":
