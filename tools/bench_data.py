@@ -17,13 +17,13 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import benchlib  # noqa: E402  (tools/, beside this script)
 from pretrain.data.shards import ShardWriter, write_manifest  # noqa: E402
 
 
@@ -45,15 +45,7 @@ def write_synthetic_shards(directory: str, tokens: int, mean_doc_tokens: int, do
 
 
 def tokens_per_second(batches, limit: int, desc: str, count) -> float:
-    start, seen = time.perf_counter(), 0
-    with tqdm(total=limit, unit="tok", unit_scale=True, desc=desc) as bar:
-        for item in batches:
-            n = count(item)
-            seen += n
-            bar.update(n)
-            if seen >= limit:
-                break
-    return seen / (time.perf_counter() - start)
+    return benchlib.units_per_second(batches, limit, desc, count, unit="tok")
 
 
 def main() -> int:

@@ -16,28 +16,15 @@ Example:
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable, Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tqdm import tqdm  # noqa: E402
+import benchlib  # noqa: E402  (tools/, beside this script)
 
 
 def images_per_second(items: Iterable, limit: int, desc: str, count: Callable = len) -> float:
-    """Rate over ``limit`` images, timed from the first item on (worker start-up is not throughput)."""
-    seen, start = 0, None
-    with tqdm(total=limit, unit="img", unit_scale=True, desc=desc) as bar:
-        for item in items:
-            if start is None:
-                start = time.perf_counter()
-                continue
-            n = count(item)
-            seen += n
-            bar.update(n)
-            if seen >= limit:
-                break
-    return seen / (time.perf_counter() - start)
+    return benchlib.units_per_second(items, limit, desc, count, unit="img")
 
 
 def decoded(pattern: str):

@@ -8,6 +8,7 @@ How a tool measures one size (``measure_side_by_side``):
    of each per round), after a warm-up; the median over rounds is reported. One whose probe says the rounds would
    take longer than ``budget_s`` keeps its probe times instead (``repeats`` = 1; its forward+backward then includes
    first-call costs).
+Data-path tools (bench_data, bench_images) use ``units_per_second`` instead: a stream's rate, not a step's time.
 Each record also keeps the machine's 1-minute load average after it was measured, since a shared machine slows
 everything that runs on it.
 
@@ -23,7 +24,7 @@ import resource
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -221,3 +222,19 @@ def add_measurement_flags(p, *, budget_s: float, probe_timeout_s: float, cpu_mem
     p.add_argument("--plot", help="write the log-log plot of time and memory against size here (PNG)")
     p.add_argument("--markdown", help="write the table here")
 
+
+def units_per_second(items: Iterable, limit: int, desc: str, count: Callable, unit: str) -> float:
+    """Rate of a stream over ``limit`` units (``count(item)`` each), timed from the first item on: start-up, such as
+    starting worker processes, is not throughput, so the first item is neither timed nor counted."""
+    seen, start = 0, None
+    with tqdm(total=limit, unit=unit, unit_scale=True, desc=desc) as bar:
+        for item in items:
+            if start is None:
+                start = time.perf_counter()
+                continue
+            n = count(item)
+            seen += n
+            bar.update(n)
+            if seen >= limit:
+                break
+    return seen / (time.perf_counter() - start)
