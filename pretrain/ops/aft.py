@@ -5,7 +5,7 @@ REFERENCE §5. Layout ``[B, T, C]`` (AFT has no heads except AFT-conv's kernel g
 
 - ``aft_full``: any bias ``w [T_max, T_max]``; O(T·C) memory beside the bias by two matmuls with ``e^w``.
 - ``aft_local``: a relative bias inside a window of ``s`` tokens and **0 outside** (distant tokens still count):
-  ``num = Σ_all e^K V + Σ_{|t−t'|<s} (e^w − 1) e^K V`` (den: V → 1). Causal form: chunks with a running max.
+  ``num = Σ_all e^K V + Σ_{|t−t'|<s} (e^w − 1) e^K V`` (den: V → 1). Causal form: ``aft_causal.py``.
 - ``aft_simple``: no bias — a (prefix) softmax over positions, per channel.
 - ``aft_conv2d``: per-head s×s relative biases on an image grid, as a depthwise convolution.
 Each has a naive O(T²·C) reference built on ``aft_full_naive``, the one oracle.
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .aft_causal import causal_aft
 from .documents import document_mask, document_positions, per_document
 from .precision import upcast
 
@@ -89,16 +90,15 @@ def aft_local(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None, chunk_siz
     """AFT-local with a relative bias: ``w_rel[i]`` is the bias at offset ``t − t' = i`` (causal, ``[window]``)
     or ``t − t' = i − (window − 1)`` (non-causal, ``[2·window − 1]``); 0 for ``|t − t'| ≥ window``.
 
-    Causal: chunks of ``max(chunk_size, window)`` tokens, so the band reaches back one chunk at most.
-    Non-causal: global sums plus a 1-D convolution with kernel ``e^w − 1``.
+    Causal: all chunks of ``max(chunk_size, window)`` tokens at once, packed documents included
+    (``aft_causal.py``). Non-causal: global sums plus a 1-D convolution with kernel ``e^w − 1``.
     """
     _check_same_shape("aft_local", q, k, v)
     _check_local_bias(w_rel, window, causal)
-    if cu_seqlens is not None:
-        return per_document(aft_local, cu_seqlens, q, k, v, w_rel=w_rel, window=window, causal=causal,
-                            chunk_size=chunk_size)
     if causal:
-        return _causal_chunked(q, k, v, w_rel, max(chunk_size, window))
+        return causal_aft(q, k, v, w_rel, chunk=max(chunk_size, window), cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:
+        return per_document(aft_local, cu_seqlens, q, k, v, w_rel=w_rel, window=window, causal=False)
     q, k, v_acc, w_rel = upcast(q, k, v, w_rel)
     exp_k = (k - k.max(dim=1, keepdim=True).values.detach()).exp()
     kernel = (w_rel.exp() - 1).flip(0)  # conv1d correlates: tap i reads offset t − t' = (window − 1) − i
@@ -122,57 +122,13 @@ def aft_simple_naive(q, k, v, *, causal=True, cu_seqlens=None):
 def aft_simple(q, k, v, *, causal=True, cu_seqlens=None, chunk_size=64):
     """AFT-simple: ``σ(Q_t) ⊙ Σ_{t'} softmax_{t'}(K) ⊙ V_{t'}``; causal: a per-channel prefix softmax."""
     _check_same_shape("aft_simple", q, k, v)
-    if cu_seqlens is not None:
-        return per_document(aft_simple, cu_seqlens, q, k, v, causal=causal, chunk_size=chunk_size)
     if causal:
-        return _causal_chunked(q, k, v, None, chunk_size)
+        return causal_aft(q, k, v, None, chunk=chunk_size, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:
+        return per_document(aft_simple, cu_seqlens, q, k, v, causal=False)
     q, k, v_acc = upcast(q, k, v)
     pooled = (torch.softmax(k, dim=1) * v_acc).sum(dim=1, keepdim=True)
     return (torch.sigmoid(q) * pooled).to(v.dtype)
-
-
-def _causal_chunked(q, k, v, w_rel, chunk):
-    """Causal AFT-local (or AFT-simple when ``w_rel`` is None), chunk by chunk.
-
-    The global part is a prefix sum carried as ``(Σ e^{K−m} V, Σ e^{K−m}, m)`` with ``m`` the running per-channel
-    max of K up to the end of the current chunk; the band ``(e^w − 1)`` spans the current and previous chunk.
-    Every ``e^{K−m}`` is ≤ 1; a prefix whose keys all lie ~80 below a later key of the same chunk would
-    underflow (0/0), far outside what learned keys do.
-    """
-    q, k, v_acc = upcast(q, k, v)
-    batch, total, channels = k.shape
-    if w_rel is not None:
-        window = w_rel.shape[0]
-        # band[t, j]: weight of frame position j (previous chunk, then current) for current-chunk row t
-        offset = torch.arange(chunk, device=k.device)[:, None] + chunk - torch.arange(2 * chunk, device=k.device)
-        inside = (offset >= 0) & (offset < window)
-        band = (w_rel.to(k.dtype).exp()[offset.clamp(0, window - 1)] - 1).masked_fill(~inside, 0)
-    num_state = k.new_zeros(batch, channels)
-    den_state = k.new_zeros(batch, channels)
-    running_max = k.new_full((batch, channels), float("-inf"))
-    previous = None  # (e^{K}, e^{K} V) of the previous chunk, relative to its own max
-    outputs = []
-    for start in range(0, total, chunk):
-        kc, vc = k[:, start:start + chunk], v_acc[:, start:start + chunk]
-        size = kc.shape[1]
-        new_max = torch.maximum(running_max, kc.max(dim=1).values).detach()
-        rescale = (running_max - new_max).exp()
-        exp_k = (kc - new_max[:, None]).exp()
-        global_num = num_state[:, None] * rescale[:, None] + (exp_k * vc).cumsum(dim=1)
-        global_den = den_state[:, None] * rescale[:, None] + exp_k.cumsum(dim=1)
-        num, den = global_num, global_den
-        if w_rel is not None:
-            frame_k, frame_kv = exp_k, exp_k * vc
-            if previous is not None:
-                prev_k, prev_kv = (x * rescale[:, None] for x in previous)
-                frame_k, frame_kv = torch.cat([prev_k, frame_k], 1), torch.cat([prev_kv, frame_kv], 1)
-            rows = band[:size, chunk + size - frame_k.shape[1]: chunk + size]
-            num = num + torch.einsum("tj,bjc->btc", rows, frame_kv)
-            den = den + torch.einsum("tj,bjc->btc", rows, frame_k)
-            previous = (exp_k, exp_k * vc)
-        outputs.append(torch.sigmoid(q[:, start:start + chunk]) * num / den)
-        num_state, den_state, running_max = global_num[:, -1], global_den[:, -1], new_max
-    return torch.cat(outputs, dim=1).to(v.dtype)
 
 
 def aft_conv2d_naive(q, k, v, w, *, hw, heads):

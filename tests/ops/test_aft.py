@@ -82,6 +82,50 @@ def test_packed_documents():
                              lambda q, k, v: naive(q, k, v, cu_seqlens=cu_seqlens, **extra), [q, k, v])
 
 
+def random_documents(total, longest, seed):
+    """``cu_seqlens`` cutting ``total`` tokens into documents of 1…``longest`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = [0]
+    while cuts[-1] < total:
+        cuts.append(min(total, cuts[-1] + int(torch.randint(1, longest + 1, (1,), generator=gen))))
+    return torch.tensor(cuts, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window,chunk", [(None, 4), (None, 8), (3, 4), (4, 4), (6, 4), (1, 8)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_causal_many_documents(window, chunk, seed):
+    """Documents of 1…3 chunks, one-token ones, some starting on a chunk boundary, all in one packed row."""
+    length = 61
+    cu_seqlens = random_documents(length, 3 * chunk, seed)
+    if seed == 0:  # documents that begin exactly where a chunk does, and one that fills a whole chunk
+        cu_seqlens = torch.tensor([0, chunk, 2 * chunk, 2 * chunk + 1, 4 * chunk, length], dtype=torch.int32)
+    inputs = list(qkv(1, length, 3))
+    if window is None:
+        fast = lambda q, k, v: aft_simple(q, k, v, cu_seqlens=cu_seqlens, chunk_size=chunk)
+        naive = lambda q, k, v: aft_simple_naive(q, k, v, cu_seqlens=cu_seqlens)
+    else:
+        inputs.append(randn(window, scale=2.0, seed=seed + 10))
+        fast = lambda q, k, v, w: aft_local(q, k, v, w, window=window, cu_seqlens=cu_seqlens, chunk_size=chunk)
+        naive = lambda q, k, v, w: aft_local_naive(q, k, v, w, window=window, cu_seqlens=cu_seqlens)
+    assert_same_function(fast, naive, inputs)
+
+
+def test_fp32_each_document_has_its_own_reference():
+    """A document whose keys sit 300 above its neighbours', sharing chunks with them: a reference shared across
+    documents would underflow the neighbours to 0/0."""
+    q, k, v = (t.detach() for t in qkv(1, 40, 4))
+    cu_seqlens = torch.tensor([0, 5, 13, 19, 40], dtype=torch.int32)
+    k[:, 5:13] += 300.0
+    w_rel = torch.randn(6, dtype=torch.float64)
+    for fast, naive in [(lambda *a: aft_local(*a, w_rel.float(), window=6, cu_seqlens=cu_seqlens, chunk_size=8),
+                         lambda *a: aft_local_naive(*a, w_rel, window=6, cu_seqlens=cu_seqlens)),
+                        (lambda *a: aft_simple(*a, cu_seqlens=cu_seqlens, chunk_size=8),
+                         lambda *a: aft_simple_naive(*a, cu_seqlens=cu_seqlens))]:
+        out = fast(q.float(), k.float(), v.float())
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.double(), naive(q, k, v), rtol=1e-4, atol=1e-5)
+
+
 def test_fp32_keys_far_apart_stay_finite():
     """One key 300 above the rest (at a chunk start): a single max over the whole sequence would leave every
     earlier causal row 0/0; the running max per chunk does not."""
