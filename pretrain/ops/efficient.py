@@ -81,7 +81,7 @@ def _noncausal(q, k, v):
 
 def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
     """Intra-chunk: explicit per-channel weights ``e^{k_j − LZ_t}``; inter-chunk: the state ``(Ŝ, L)``."""
-    batch, total, heads, dim = k.shape
+    batch, _, heads, dim = k.shape
     q32, k32, v32 = upcast(q, k, v)
     p = torch.softmax(q32, dim=-1)
     if initial_state is None:
@@ -91,9 +91,8 @@ def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
         state, log_norm = (s.to(k32.dtype) for s in initial_state)
     lz = torch.logaddexp(log_norm[:, None], torch.logcumsumexp(k32, dim=1))  # [B, T, H, D]
     outputs = []
-    for start in range(0, total, chunk_size):
-        piece = slice(start, start + chunk_size)
-        pc, kc, vc, lzc = p[:, piece], k32[:, piece], v32[:, piece], lz[:, piece]
+    # split, not a slice per chunk: a slice's backward writes a whole [B, T, H, D] gradient, T/C times over
+    for pc, kc, vc, lzc in zip(*(x.split(chunk_size, dim=1) for x in (p, k32, v32, lz))):
         intra = checkpoint(_within_chunk, pc, kc, vc, lzc, use_reentrant=False)
         inter = torch.einsum("bthc,bhcv->bthv", pc * (log_norm[:, None] - lzc).exp(), state)
         outputs.append(intra + inter)
