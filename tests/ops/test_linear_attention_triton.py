@@ -1,15 +1,12 @@
 """The Triton kernels held to the naive O(T²) reference, forward and every gradient (REFERENCE §1, §4, §7).
 
-Without a GPU the same kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set here before
-Triton is imported); shapes stay small because the interpreter is slow. The reference runs in fp64.
+Without a GPU the same kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before anything imports Triton); shapes stay small because the interpreter is slow. The
+reference runs in fp64.
 """
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from pretrain.ops.linear_attention import LinearAttentionState, linear_attention  # noqa: E402
