@@ -10,9 +10,10 @@ Model states follow the ZeRO paper (Rajbhandari et al. 2020), Ψ parameters, N r
 - fp32: 4Ψ + 4Ψ + 8Ψ (m, v; the weights are their own master copy);
 - ZeRO stage 1 divides the optimizer states by N, stage 2 also the gradients, stage 3 also the weights;
 - offload_optimizer moves the optimizer states to CPU memory, offload_params the weights (reported apart).
-Activations are measured, not modelled: one forward on the meta device at (micro_batch_size, seq_len) with the
-loss taken in fp32 on the full logits, counting every tensor autograd saves for backward (parameters excluded,
-views counted once); blocks of the same mixer save the same bytes, so one period of the layer pattern is run.
+Activations are measured, not modelled: one forward on the meta device at (micro_batch_size, seq_len) through
+the model's fused head and loss (``models/lm_head.py``), counting every tensor autograd saves for backward
+(parameters excluded, views counted once); blocks of the same mixer save the same bytes, so one period of the
+layer pattern is run.
 A mixer whose forward needs data (``.item()``, ``nonzero`` on packed-document offsets) cannot run on meta; its
 share is then taken as 5·dim values per token (input, q, k, v, output) and the result names it.
 On the meta device SDPA would take its math path and store the T×T weights; the GPU kernels (flash-attn, SDPA's
@@ -138,8 +139,7 @@ def saved_activation_bytes(model, batch: int, seq_len: int) -> tuple[list[int], 
     input_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), _FlashShapedSDPA():
-            logits = model(input_ids)
-            F.cross_entropy(logits.float().flatten(0, 1), input_ids.flatten())
+            model(input_ids, labels=input_ids)
     finally:
         for hook in hooks:
             hook.remove()

@@ -12,6 +12,7 @@ from torch import nn
 from ..attention import build_mixer, mixer_options
 from ..ops import cu_seqlens_from_position_ids
 from .layers import RMSNorm, SwiGLU, swiglu_hidden
+from .lm_head import LMHead
 
 # Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).
 SHARED_MIXER_OPTIONS = ("rope_theta",)
@@ -54,7 +55,7 @@ class Block(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Token embedding → blocks → RMSNorm → LM head (optionally tied to the embedding)."""
+    """Token embedding → blocks → RMSNorm → LM head (optionally tied to the embedding), whose loss is fused in."""
 
     def __init__(self, model_cfg):
         super().__init__()
@@ -72,7 +73,7 @@ class CausalLM(nn.Module):
             for name in layer_mixers(model_cfg)
         )
         self.norm = RMSNorm(dim, eps=model_cfg.norm_eps)
-        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head = LMHead(dim, vocab)
         if model_cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.init_weights(model_cfg.init_std)
@@ -94,8 +95,11 @@ class CausalLM(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids, position_ids=None):
-        """``input_ids`` ``[B, T]`` → logits ``[B, T, V]``; ``position_ids`` restart at 0 at each document start."""
+    def forward(self, input_ids, position_ids=None, labels=None):
+        """``input_ids`` ``[B, T]`` → logits ``[B, T, V]``; ``position_ids`` restart at 0 at each document start.
+
+        With ``labels [B, T]`` (-100: not scored), the summed fp32 NLL instead, without ever holding the logits.
+        """
         if position_ids is None:  # one document per row: the plain batched path, no cu_seqlens needed
             cu_seqlens = None
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
@@ -104,7 +108,7 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         for block in self.layers:
             x = block(x, cu_seqlens, position_ids)
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x), labels)
 
     def step(self, token_ids, states=None):
         """Decode one token per row: ``token_ids`` ``[B]`` → ``(logits [B, V], states)``; ``states=None`` at start.

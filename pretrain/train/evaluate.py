@@ -13,7 +13,6 @@ from itertools import islice
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 IGNORE = -100
 
@@ -87,8 +86,7 @@ def empty_batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
 def batch_nll(model: Callable, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
     """Summed negative log-likelihood (fp32) of the batch's scored targets, and how many there are."""
     labels = batch["labels"].to(device)
-    logits = model(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device))
-    nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    nll = model(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device), labels=labels)
     return nll, int((labels != IGNORE).sum())
 
 

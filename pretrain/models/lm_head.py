@@ -1,0 +1,69 @@
+"""The LM head with its loss fused in, so a training step never holds the ``[B·T, V]`` logits.
+
+At long context the logits are a language model's largest activation: 4 × 4096 tokens × a 32k vocabulary is
+2.1 GB in fp32, and autograd keeps them (and the bf16 copy) for backward. Here the loss walks the tokens in
+chunks; for each chunk it takes the logits, their log-sum-exp, the summed NLL and, in the same pass, the gradients
+of the hidden states and of the weight. Backward only scales those. Peak memory: one chunk's logits.
+
+The weight is used only inside this module's forward, where ZeRO-3 has gathered it; backward needs no weight.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.precision import upcast
+
+LOGITS_PER_CHUNK = 1 << 25  # 128 MiB of fp32 logits: small next to the model, whole matmuls for the GPU
+
+
+class LMHead(nn.Linear):
+    """``x [..., dim]`` → logits ``[..., vocab]``; given ``labels [...]``, the summed NLL (≥ fp32) of the scored."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__(dim, vocab, bias=False)
+
+    def forward(self, x, labels=None, ignore_index: int = -100):
+        if labels is None:
+            return F.linear(x, self.weight)
+        return linear_cross_entropy(x, self.weight, labels, ignore_index)
+
+
+def linear_cross_entropy(x, weight, labels, ignore_index: int = -100):
+    """``cross_entropy(x @ weightᵀ, labels, reduction="sum")`` over ``x [..., dim]``, ``labels [...]``, fused."""
+    # inside a Function grad mode is off and needs_input_grad ignores it: say whether gradients are wanted
+    return _LinearCrossEntropy.apply(x.flatten(0, -2), weight, labels.flatten(), ignore_index, torch.is_grad_enabled())
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``Σ_scored −log softmax(x Wᵀ)[label]`` chunk by chunk, its gradients computed on the way (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, ignore_index, grad_enabled):
+        wants_x, wants_w = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
+        accumulate = torch.promote_types(x.dtype, torch.float32)
+        nll = torch.zeros((), dtype=accumulate, device=x.device)
+        grad_x = torch.empty_like(x) if wants_x else None
+        grad_w = torch.zeros_like(weight, dtype=accumulate) if wants_w else None
+        step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+        for start in range(0, x.shape[0], step):
+            rows, targets = x[start:start + step], labels[start:start + step]
+            logits, = upcast(F.linear(rows, weight))  # the matmul in the model's precision, the softmax in fp32
+            scored = targets != ignore_index
+            targets = torch.where(scored, targets, 0)[:, None]
+            log_norm = logits.logsumexp(dim=-1, keepdim=True)
+            nll = nll + ((log_norm - logits.gather(1, targets)).squeeze(1) * scored).sum()
+            if wants_x or wants_w:  # d nll / d logits = softmax − one-hot, on scored rows
+                grad_logits = logits.sub_(log_norm).exp_().scatter_add_(1, targets, -torch.ones_like(log_norm))
+                grad_logits = (grad_logits * scored[:, None]).to(x.dtype)
+                if wants_x:
+                    grad_x[start:start + step] = grad_logits @ weight
+                if wants_w:
+                    grad_w += grad_logits.T @ rows
+        ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype))
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = lambda grad: None if grad is None else grad * grad_nll.to(grad.dtype)  # noqa: E731
+        return scale(grad_x), scale(grad_w), None, None, None
