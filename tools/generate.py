@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Sample text from a trained run, one token at a time through every mixer's recurrent ``step``.
+"""Sample text from a trained run: the prompt in one parallel pass, then one token at a time through ``step``.
 
     python tools/generate.py --run runs/tiny_lm --prompt "The history of" --max-new-tokens 64
     python tools/generate.py --run runs/tiny_lm --tag step00000500 --prompt "Once" --temperature 0.8 --top-p 0.9
 
-Linear mixers decode with constant memory per token (their state is a fixed-size sum); softmax layers keep a KV
-cache that grows by one key and value per token. The prompt is fed token by token through the same ``step`` (simple,
-not a parallel prefill). Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature and
+The prompt goes through ``model.prefill``: each mixer's parallel (chunked) forward, which also hands over the state
+that decoding goes on from. Linear mixers then decode with constant memory per token (their state is a fixed-size
+sum); softmax layers keep a KV cache that grows by one key and value per token. Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature and
 cut to the ``--top-k`` most likely tokens and/or the smallest set of probability ``--top-p`` before sampling.
 Generation stops at the end-of-sequence token or after ``--max-new-tokens``. The text goes to stdout; the speed
 (tokens/s of the prompt and of the generated tokens) to stderr.
@@ -49,7 +49,7 @@ def next_token(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: f
 def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | None = None, generator: torch.Generator | None = None,
              timings: dict | None = None) -> list[int]:
-    """The tokens ``model`` appends to ``prompt_ids`` (eos excluded), decoding through ``model.step``.
+    """The tokens ``model`` appends to ``prompt_ids`` (eos excluded): ``model.prefill``, then ``model.step``.
 
     ``timings``, when given, receives the seconds spent on the prompt and on the new tokens.
     """
@@ -57,9 +57,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
         raise ValueError("the prompt is empty: give at least one token of context")
     device = next(model.parameters()).device
     start = time.perf_counter()
-    states = None
-    for token in prompt_ids:
-        logits, states = model.step(torch.tensor([token], device=device), states)
+    logits, states = model.prefill(torch.tensor([prompt_ids], device=device))
     prompt_done = time.perf_counter()
     new_tokens: list[int] = []
     while len(new_tokens) < max_new_tokens:

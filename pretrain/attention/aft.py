@@ -5,9 +5,10 @@ AFT mixes per channel and has no heads: ``num_heads`` is taken for the common si
 ``aft_conv``, whose heads are groups of channels sharing one 2-D kernel. Position biases start at 0, so every
 variant starts out as AFT-simple.
 
-Decoding (``step``): ``aft_local`` and ``aft_simple`` carry a constant-size state — the prefix sums
-``(Σ e^{K−m} V, Σ e^{K−m}, m)`` plus, for the window, the last ``window − 1`` keys and values. ``aft_full``'s bias
-pairs every two positions, so its state is the keys and values so far, bounded by ``max_seq_len``.
+Decoding (``step``, after ``prefill`` reads the prompt in parallel): ``aft_local`` and ``aft_simple`` carry a
+constant-size state — the prefix sums ``(Σ e^{K−m} V, Σ e^{K−m}, m)`` plus, for the window, the last ``window − 1``
+keys and values. ``aft_full``'s bias pairs every two positions, so its state is the keys and values so far,
+bounded by ``max_seq_len``.
 """
 from typing import ClassVar
 
@@ -28,10 +29,14 @@ class _AFTBase(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
+        return self._mixed(x, cu_seqlens, hw)[0]
+
+    def _mixed(self, x, cu_seqlens, hw):
+        """The output, and the keys and values it came from (a decoding state is made of them)."""
         batch, seq_len, _ = x.shape
         flat = (1, batch * seq_len, self.dim) if cu_seqlens is not None else x.shape
         q, k, v = (proj(x).reshape(flat) for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return self.o_proj(self.mix(q, k, v, cu_seqlens, hw).reshape(x.shape))
+        return self.o_proj(self.mix(q, k, v, cu_seqlens, hw).reshape(x.shape)), k, v
 
     def _qkv_step(self, x_t):
         return self.q_proj(x_t), self.k_proj(x_t), self.v_proj(x_t)
@@ -72,6 +77,11 @@ class AFTFull(_AFTBase):
         weights = torch.softmax(keys + self.bias()[position, : position + 1, None], dim=1)
         return self.o_proj(torch.sigmoid(q) * (weights * values).sum(1)), (keys, values)
 
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` → ``(y, state)``; the state is its keys and values."""
+        y, k, v = self._mixed(x, None, None)
+        return y, (k, v)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and the two bias matmuls (numerator, denominator) over ``seq_len`` (½ when causal)."""
         keys = seq_len / 2 if self.causal else seq_len
@@ -99,6 +109,11 @@ class AFTLocal(_AFTBase):
         """One token ``[B, C]`` → ``(y_t, state)``; constant-size state (see the module docstring)."""
         return _decode_step(self, x_t, state, self.rel_bias)
 
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
+        y, k, v = self._mixed(x, None, None)
+        return y, _prefix_state(k, v, recent=self.window - 1)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections, the prefix sums and the band of ``window`` (``2·window − 1`` non-causal) offsets."""
         return projection_flops(self.dim, 4) + 2 * 2 * (self.rel_bias.numel() + 1) * self.dim
@@ -120,6 +135,11 @@ class AFTSimple(_AFTBase):
     def step(self, x_t, state=None):
         """One token ``[B, C]`` → ``(y_t, state)``; the state is the prefix sums."""
         return _decode_step(self, x_t, state, None)
+
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
+        y, k, v = self._mixed(x, None, None)
+        return y, _prefix_state(k, v, recent=0)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and the prefix sums."""
@@ -150,6 +170,15 @@ class AFTConv(_AFTBase):
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections, two depthwise convolutions and the global sums."""
         return projection_flops(self.dim, 4) + 2 * 2 * (self.kernel_size ** 2 + 1) * self.dim
+
+
+def _prefix_state(k, v, *, recent):
+    """``_decode_step``'s state after the tokens of ``k, v [B, T, C]``: the prefix sums relative to the max of K, and
+    the last ``recent`` keys and values, newest first."""
+    running_max = k.max(dim=1).values
+    exp_k = (k - running_max[:, None]).exp()
+    last = slice(max(0, k.shape[1] - recent), None)
+    return (exp_k * v).sum(1), exp_k.sum(1), running_max, k[:, last].flip(1), v[:, last].flip(1)
 
 
 def _decode_step(mixer, x_t, state, rel_bias):

@@ -13,7 +13,7 @@ from .registry import register
 
 @register("efficient")
 class EfficientAttention(nn.Module):
-    """q/k/v/o projections around ``ops.efficient_attention``; ``step`` decodes one token."""
+    """q/k/v/o projections around ``ops.efficient_attention``; ``step`` decodes one token, ``prefill`` a prompt."""
 
     supports_causal: ClassVar[bool] = True
 
@@ -31,9 +31,18 @@ class EfficientAttention(nn.Module):
 
     def step(self, x_t, state=None):
         """One token ``[B, C]`` with the state ``(Ŝ, L)`` of the tokens before it (None at the start)."""
-        q, k, v = self._qkv(x_t[:, None], packed=False)
-        o, state = efficient_attention(q, k, v, causal=True, initial_state=state, output_final_state=True)
-        return self.o_proj(merge_heads(o, x_t.shape[0], 1))[:, 0], state
+        y, state = self._with_state(x_t[:, None], state)
+        return y[:, 0], state
+
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
+        return self._with_state(x, None)
+
+    def _with_state(self, x, state):
+        q, k, v = self._qkv(x, packed=False)
+        o, state = efficient_attention(q, k, v, causal=True, initial_state=state, output_final_state=True,
+                                       chunk_size=self.chunk_size)
+        return self.o_proj(merge_heads(o, *x.shape[:2])), state
 
     def _qkv(self, x, *, packed):
         return project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)

@@ -64,30 +64,38 @@ class InLineAttention(nn.Module):
 
     def step(self, x_t, state=None):
         """One token ``[B, C]`` → ``(y_t, state)``; the state is the attention state and the last ``conv_size − 1``
-        values (None at the start)."""
-        if state is None:
-            state = (None, x_t.new_zeros(x_t.shape[0], self.conv_size - 1, self.dim))
-        attn_state, recent = state
-        q, k, v = self._qkv(x_t[:, None], packed=False)
+        values, oldest first (None at the start)."""
+        y, state = self._with_state(x_t[:, None], state, impl="recurrent")
+        return y[:, 0], state
+
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
+        return self._with_state(x, None, impl=self.impl)
+
+    def _with_state(self, x, state, *, impl):
+        batch, seq_len, _ = x.shape
+        attn_state, recent = state if state is not None else (None, x.new_zeros(batch, self.conv_size - 1, self.dim))
+        q, k, v = self._qkv(x, packed=False)
         o, attn_state = linear_attention(q, k, v, causal=True, normalize="subtractive", initial_state=attn_state,
-                                         output_final_state=True, impl="recurrent")
-        o = merge_heads(o, x_t.shape[0], 1)[:, 0]
-        if self.local:
-            window = torch.cat([v.reshape(-1, 1, self.dim), recent], dim=1)  # v_t, v_{t-1}, ...
-            o = o + (window * self.taps.T).sum(1)
-            recent = window[:, :-1]
+                                         output_final_state=True, chunk_size=self.chunk_size, impl=impl)
+        o = merge_heads(o, batch, seq_len)
+        if self.local:  # the taps reach back into the values before this piece (zeros before the first token)
+            values = torch.cat([recent, v.reshape(batch, seq_len, self.dim)], dim=1)
+            o = o + self._causal_conv(values)[:, -seq_len:]
+            recent = values[:, values.shape[1] - recent.shape[1]:]
         return self.o_proj(o), (attn_state, recent)
 
     def _qkv(self, x, *, packed):
         q, k, v = project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)
         return q * self.head_dim ** -0.5, k, v
 
-    def _causal_conv(self, v, positions):
-        """``Σ_i taps[:, i] · v_{t−i}`` over taps that stay inside the token's document."""
+    def _causal_conv(self, v, positions=None):
+        """``Σ_i taps[:, i] · v_{t−i}`` over taps that stay inside the token's document (``positions``: each token's
+        position in its document; None: the row is one document)."""
         out = v * self.taps[:, 0]
         for i in range(1, self.conv_size):
-            earlier = F.pad(v, (0, 0, i, 0))[:, : v.shape[1]]
-            out = out + earlier * self.taps[:, i] * (positions >= i)[..., None]
+            earlier = F.pad(v, (0, 0, i, 0))[:, : v.shape[1]] * self.taps[:, i]
+            out = out + (earlier if positions is None else earlier * (positions >= i)[..., None])
         return out
 
     def _dynamic_conv2d(self, x, v, hw):

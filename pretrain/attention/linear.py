@@ -1,10 +1,11 @@
 """``linear``: kernelized linear attention (Katharopoulos et al. 2020) around ``ops.linear_attention``.
 
-REFERENCE §1. ``φ(x) = elu(x) + 1`` by default (or relu, or identity); divisive normalisation or none, usually then
-with an output norm (a per-head RMSNorm before the output projection).
+REFERENCE §1. ``φ(x) = elu(x) + 1`` by default (or relu, identity, or ``[1, x̂]``: the ``cosine`` mixer's);
+divisive normalisation or none, usually then with an output norm (a per-head RMSNorm before the output projection).
 """
 from typing import ClassVar
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -12,12 +13,20 @@ from ..ops.linear_attention import linear_attention
 from .common import check_heads, merge_heads, project_heads, projection_flops
 from .registry import register
 
-FEATURE_MAPS = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x: x}
+
+
+def one_plus_unit(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` → ``[..., 1 + D]``: a constant 1 followed by ``x / ‖x‖``, so ``φ(q)·φ(k) = 1 + q̂·k̂``."""
+    return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)
+
+
+FEATURE_MAPS = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x: x, "cosine": one_plus_unit}
 
 
 @register("linear")
 class LinearAttention(nn.Module):
-    """q/k/v/o projections, a feature map on q and k, and the chunked op; ``step`` decodes one token."""
+    """q/k/v/o projections, a feature map on q and k, and the chunked op; ``step`` decodes one token, ``prefill``
+    reads a prompt."""
 
     supports_causal: ClassVar[bool] = True
 
@@ -46,10 +55,18 @@ class LinearAttention(nn.Module):
 
     def step(self, x_t, state=None):
         """One token ``[B, C]`` with the state of the tokens before it (None at the start) → ``(y_t, state)``."""
-        q, k, v = self._qkv(x_t[:, None], packed=False)
+        y, state = self._with_state(x_t[:, None], state, impl="recurrent")
+        return y[:, 0], state
+
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
+        return self._with_state(x, None, impl=self.impl)
+
+    def _with_state(self, x, state, *, impl):
+        q, k, v = self._qkv(x, packed=False)
         o, state = linear_attention(q, k, v, causal=True, normalize=self.normalize, initial_state=state,
-                                    output_final_state=True, impl="recurrent")
-        return self.o_proj(merge_heads(self.out_norm(o), x_t.shape[0], 1))[:, 0], state
+                                    output_final_state=True, chunk_size=self.chunk_size, impl=impl)
+        return self.o_proj(merge_heads(self.out_norm(o), *x.shape[:2])), state
 
     def _qkv(self, x, *, packed):
         phi = FEATURE_MAPS[self.feature_map]

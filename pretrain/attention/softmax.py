@@ -37,14 +37,9 @@ class SoftmaxAttention(nn.Module):
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         """``hw=(H, W)``: the tokens are an image grid; attend to all of it without RoPE."""
         batch, seq_len, _ = x.shape
-        heads = (batch, seq_len, self.num_heads, self.head_dim)
-        q = self.q_norm(self.q_proj(x).view(heads))
-        k = self.k_norm(self.k_proj(x).view(heads))
-        v = self.v_proj(x).view(heads)
-        if hw is None:
-            if position_ids is None:
-                position_ids = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
-            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        if hw is None and position_ids is None:
+            position_ids = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
+        q, k, v = self._qkv(x, None if hw is not None else position_ids)
         if cu_seqlens is not None:  # packed documents: one row of B*T tokens
             q, k, v = (t.reshape(1, batch * seq_len, self.num_heads, self.head_dim) for t in (q, k, v))
         out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
@@ -59,18 +54,32 @@ class SoftmaxAttention(nn.Module):
         if not self.causal:
             raise ValueError("step decodes causally; this SoftmaxAttention was built with causal=False")
         batch = x_t.shape[0]
-        heads = (batch, 1, self.num_heads, self.head_dim)
         past_k, past_v, position = state if state is not None else (None, None, 0)
-        q = self.q_norm(self.q_proj(x_t).view(heads))
-        k = self.k_norm(self.k_proj(x_t).view(heads))
-        v = self.v_proj(x_t).view(heads)
-        position_ids = torch.full((batch, 1), position, device=x_t.device, dtype=torch.long)
-        q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        q, k, v = self._qkv(x_t[:, None], torch.full((batch, 1), position, device=x_t.device, dtype=torch.long))
         keys = k if past_k is None else torch.cat([past_k, k], dim=1)
         values = v if past_v is None else torch.cat([past_v, v], dim=1)
         scores = torch.einsum("bhd,bshd->bhs", q[:, 0], keys) * self.head_dim ** -0.5
         out = torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), values)
         return self.o_proj(out.reshape(batch, self.dim)), (keys, values, position + 1)
+
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` → ``(y, state)``: causal attention over it, its keys and values the cache."""
+        if not self.causal:
+            raise ValueError("prefill starts causal decoding; this SoftmaxAttention was built with causal=False")
+        batch, seq_len, _ = x.shape
+        q, k, v = self._qkv(x, torch.arange(seq_len, device=x.device).expand(batch, seq_len))
+        out = softmax_attention(q, k, v, causal=True)
+        return self.o_proj(out.reshape(batch, seq_len, self.dim)), (k, v, seq_len)
+
+    def _qkv(self, x, position_ids):
+        """q, k, v ``[B, T, H, D]``, q and k normalized if asked and rotated at ``position_ids`` (None: no RoPE)."""
+        heads = (*x.shape[:2], self.num_heads, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(heads))
+        k = self.k_norm(self.k_proj(x).view(heads))
+        v = self.v_proj(x).view(heads)
+        if position_ids is not None:
+            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        return q, k, v
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections plus q·k and weights·v against ``seq_len`` keys (half of them when causal)."""

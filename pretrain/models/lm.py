@@ -49,9 +49,15 @@ class Block(nn.Module):
 
     def step(self, x_t, state=None):
         """One token ``[B, C]`` through the block with the mixer's decoding ``state`` → ``(y_t, state)``."""
-        mixed, state = self.mixer.step(self.mixer_norm(x_t), state)
-        x_t = x_t + mixed
-        return x_t + self.ffn(self.ffn_norm(x_t)), state
+        return self._then_ffn(x_t, *self.mixer.step(self.mixer_norm(x_t), state))
+
+    def prefill(self, x):
+        """A whole prompt ``[B, T, C]`` → ``(y, state)``, the mixer's state for ``step`` to go on from."""
+        return self._then_ffn(x, *self.mixer.prefill(self.mixer_norm(x)))
+
+    def _then_ffn(self, x, mixed, state):
+        x = x + mixed
+        return x + self.ffn(self.ffn_norm(x)), state
 
 
 class CausalLM(nn.Module):
@@ -120,6 +126,15 @@ class CausalLM(nn.Module):
         for i, block in enumerate(self.layers):
             x, states[i] = block.step(x, states[i])
         return self.lm_head(self.norm(x)), states
+
+    def prefill(self, input_ids):
+        """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``."""
+        x = self.embed(input_ids)
+        states = []
+        for block in self.layers:
+            x, state = block.prefill(x)
+            states.append(state)
+        return self.lm_head(self.norm(x[:, -1])), states
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""

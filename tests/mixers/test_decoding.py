@@ -1,10 +1,14 @@
-"""Item 2 of the issue: each causal mixer's parallel (chunked) forward equals token-by-token decoding with ``step``."""
+"""Each causal mixer's parallel (chunked) forward equals token-by-token decoding with ``step``, and ``prefill``
+(the parallel forward that also returns a state) hands ``step`` the state token-by-token decoding would have."""
 import pytest
 import torch
+
+from pretrain.attention import REGISTRY
 
 DIM = 16  # the default width of the make_mixer fixture
 
 CAUSAL_CASES = [
+    ("softmax", {}),
     ("linear", {}),
     ("linear", {"feature_map": "relu", "output_norm": True}),
     ("linear", {"feature_map": "identity", "normalize": "none", "output_norm": True}),
@@ -31,6 +35,27 @@ def test_chunked_forward_equals_token_by_token(make_mixer, name, options):
         y_t, state = mixer.step(x[:, t], state)
         steps.append(y_t)
     torch.testing.assert_close(torch.stack(steps, dim=1), parallel, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,options", CAUSAL_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("prompt", [1, 2, 7, 13])
+def test_prefill_then_step_equals_the_parallel_forward(make_mixer, name, options, prompt):
+    """Prompts shorter and longer than the chunk (4–64), the local window and the convolution's reach."""
+    mixer = make_mixer(name, causal=True, **options)
+    x = torch.randn(2, 19, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    parallel = mixer(x)
+    y, state = mixer.prefill(x[:, :prompt])
+    steps = [y]
+    for t in range(prompt, x.shape[1]):
+        y_t, state = mixer.step(x[:, t], state)
+        steps.append(y_t[:, None])
+    torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=1e-10, atol=1e-10)
+
+
+def test_every_causal_mixer_decodes():
+    causal = {name for name, cls in REGISTRY.items() if cls.supports_causal}
+    assert causal == {name for name, _ in CAUSAL_CASES}
+    assert all(callable(getattr(REGISTRY[name], method, None)) for name in causal for method in ("step", "prefill"))
 
 
 def test_aft_full_refuses_to_decode_past_its_bias(make_mixer):

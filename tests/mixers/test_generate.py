@@ -56,6 +56,20 @@ def test_step_logits_equal_the_parallel_forward(pattern):
 
 
 @pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
+def test_prefill_then_step_logits_equal_the_parallel_forward(pattern):
+    model = random_lm(pattern)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        parallel = model(ids)
+        logits, states = model.prefill(ids[:, :9])
+        steps = [logits]
+        for t in range(9, ids.shape[1]):
+            logits, states = model.step(ids[:, t], states)
+            steps.append(logits)
+    torch.testing.assert_close(torch.stack(steps, dim=1), parallel[:, 8:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
 def test_greedy_generation_is_the_argmax_of_the_parallel_forward(pattern):
     model = random_lm(pattern)
     prompt = [5, 17, 42]
