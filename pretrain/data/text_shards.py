@@ -98,7 +98,12 @@ def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
 
 def read_documents(pattern: str, *, allow_pipe: bool = False) -> Iterator[Document]:
     """Every document of the shards, in shard order, unshuffled (for evaluation)."""
-    urls = expand_shards(pattern, allow_pipe=allow_pipe)
+    yield from read_shard_documents(expand_shards(pattern, allow_pipe=allow_pipe))
+
+
+def read_shard_documents(urls: list[str]) -> Iterator[Document]:
+    """``read_documents`` of URLs already expanded (a trainer validating often expands its pattern once), each
+    shard checked against the sha256 its manifest records."""
     checksums = recorded_checksums(urls)
     for url in urls:
         yield from iter_shard_documents(url, checksums.get(url))

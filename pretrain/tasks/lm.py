@@ -4,14 +4,13 @@ Validation scores the validation shards' documents (round-robin over ranks) exac
 (``pretrain.train.evaluate``), so the logged ``val/loss`` and eval_ppl's ``nll`` agree.
 """
 import math
-from itertools import chain
 
 from omegaconf import DictConfig
 
 from pretrain.config import ConfigError
 from pretrain.data import TokenLoader, Tokenizer
 from pretrain.data.shards import expand_shards
-from pretrain.data.text_shards import iter_shard_documents
+from pretrain.data.text_shards import read_shard_documents
 from pretrain.train.evaluate import batch_nll, score_documents
 
 from . import build_model
@@ -64,7 +63,7 @@ class LMTask:
     def validate(self, model, device) -> dict[str, float]:
         """Mean NLL per token over the validation documents (at most ``log.val_batches`` batches per rank)."""
         world, t = self.world, self.cfg.train
-        documents = (doc.tokens for i, doc in enumerate(chain.from_iterable(map(iter_shard_documents, self.val_urls)))
+        documents = (doc.tokens for i, doc in enumerate(read_shard_documents(self.val_urls))
                      if i % world.world_size == world.rank)
         nll, tokens = score_documents(model, documents, seq_len=t.seq_len, stride=t.seq_len,
                                       batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id, device=device,

@@ -1,11 +1,16 @@
 """The shared scoring of documents: every token once, enough context, and packing that changes nothing."""
+import shutil
+
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from pretrain.config import ModelConfig
+from pretrain.config import ModelConfig, load_config
+from pretrain.data.shards import ShardError
+from pretrain.distributed.process_group import World
 from pretrain.models import build_lm
+from pretrain.tasks.lm import LMTask
 from pretrain.train.evaluate import IGNORE, batch_nll, document_windows, score_documents
 
 EOS = 3
@@ -59,3 +64,19 @@ def test_packed_batches_score_like_each_window_alone(stride):
                 expected_tokens += window_tokens
     assert tokens == expected_tokens == sum(len(d) for d in docs)
     assert nll == pytest.approx(expected_nll, rel=1e-5)
+
+
+def test_trainer_validation_refuses_a_damaged_shard_naming_it(lm_data, tmp_path):
+    """Validation reads the shards as eval_ppl does: each checked against the sha256 its manifest records."""
+    val = tmp_path / "val"
+    shutil.copytree(lm_data["root"] + "/val", val)
+    damaged = sorted(val.glob("*.tar"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[512 + 1] ^= 0x01  # a token of the first document: the tar still parses
+    damaged.write_bytes(bytes(data))
+    cfg = load_config("configs/tiny_lm.yaml", [f"data.tokenizer={lm_data['tokenizer']}",
+                                               f"data.train_shards={lm_data['train_shards']}",
+                                               f"data.val_shards={val}", "data.num_workers=0"])
+    task = LMTask(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    with pytest.raises(ShardError, match=f"{damaged.name} is corrupt"):
+        task.validate(task.build_model().eval(), torch.device("cpu"))
