@@ -60,26 +60,34 @@ def launched_ranks() -> bool:
 
 
 def evaluate(args: argparse.Namespace) -> dict:
-    """Load the run's checkpoint and tokenizer, score ``args.data``, and return the figures."""
+    """Load the run's checkpoint, score ``args.data`` (on every launched rank), and return the figures."""
+    import torch
+
+    from pretrain.train.checkpoint import load_trained_model
+
+    model, cfg, checkpoint_path = load_trained_model(Path(args.run), args.tag)
+    if not launched_ranks():
+        return score(args, model, cfg, checkpoint_path, 0, 1, torch.device(args.device))
+
+    from pretrain.distributed import close_process_group, init_process_group
+
+    world = init_process_group()  # every rank scores its share of the documents; score_documents sums over ranks
+    try:
+        return score(args, model, cfg, checkpoint_path, world.rank, world.world_size, world.device)
+    finally:
+        close_process_group()
+
+
+def score(args, model, cfg, checkpoint_path, rank: int, world_size: int, device) -> dict:
+    """This rank's share of ``args.data`` scored, the totals summed over ranks."""
     import torch
     from tqdm import tqdm
 
     from pretrain.data import Tokenizer
-    from pretrain.train.checkpoint import load_trained_model
     from pretrain.train.evaluate import score_documents
 
-    model, cfg, checkpoint_path = load_trained_model(Path(args.run), args.tag)
     seq_len = args.seq_len or cfg.train.seq_len
     stride = args.stride or seq_len
-
-    if launched_ranks():  # every rank scores its share of the documents; score_documents sums over ranks
-        from pretrain.distributed import init_process_group
-
-        world = init_process_group()
-        rank, world_size, device = world.rank, world.world_size, world.device
-    else:
-        rank, world_size, device = 0, 1, torch.device(args.device)
-
     model.to(device)
     tokenizer = Tokenizer(cfg.data.tokenizer)
 

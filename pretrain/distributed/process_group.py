@@ -47,6 +47,13 @@ def init_process_group() -> World:
                  local_rank=local_rank, device=device)
 
 
+def close_process_group() -> None:
+    """Leave the process group, if joined. Left alive at exit, gloo's threads race the interpreter's teardown and
+    can abort a finished process ("terminate called without an active exception", exit -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _unlink_shm_allreduce_buffer() -> None:
     """Remove the name of this rank's DeepSpeed shared-memory all-reduce buffer once every rank has mapped it.
 

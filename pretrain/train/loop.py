@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.distributed import World, apply_activation_checkpointing, build_engine, init_process_group
+from pretrain.distributed import (World, apply_activation_checkpointing, build_engine, close_process_group,
+                                  init_process_group)
 from pretrain.distributed.engine import step_with_grad_norm
 from pretrain.tasks import build_task
 
@@ -221,6 +222,9 @@ class Trainer:
 
 def train(cfg: DictConfig) -> None:
     """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
-    trainer = Trainer(cfg)
-    trainer.resume()
-    trainer.run()
+    try:
+        trainer = Trainer(cfg)
+        trainer.resume()
+        trainer.run()
+    finally:
+        close_process_group()
