@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pretrain.config import load_config  # noqa: E402
+from pretrain.config import ConfigError, load_config  # noqa: E402
 from pretrain.models import build_lm  # noqa: E402
 
 COLUMNS = [("mixer", "{}"), ("params", "{:,}"), ("tokens", "{:,}"), ("train_s", "{:.0f}"), ("tokens_per_s", "{:.0f}"),
@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every row (with its commands) here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
     args = parser.parse_args(argv)
+    for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
+        try:
+            load_config(config_path, args.overrides)
+        except ConfigError as err:
+            parser.error(f"--configs {config_path}: {err}")
     rows = []
     for config_path in args.configs:
         rows.append(compare(config_path, args))

@@ -36,8 +36,16 @@ def test_runs_every_config_at_one_budget_and_resumes(lm_data, tmp_path):
     assert {path: path.read_text() for path in out.glob("*/train.log")} == train_logs
 
 
+def test_a_bad_config_is_refused_before_any_run(lm_data, tmp_path):
+    out = tmp_path / "compare"
+    result = compare(lm_data, out, "model.n_heads=3")  # dim 64 does not split into 3 heads
+    assert result.returncode == 2
+    assert "--configs configs/tiny_lm.yaml" in result.stderr and "model." in result.stderr
+    assert not out.exists()
+
+
 def test_a_failing_run_names_its_command_and_log(lm_data, tmp_path):
-    result = compare(lm_data, tmp_path / "compare", "model.n_heads=3")  # 64 is not divisible by 3
+    result = compare(lm_data, tmp_path / "compare", f"data.train_shards={tmp_path}/none-{{000..009}}.tar")
     assert result.returncode != 0
     assert "launch/pretrain.py --config configs/tiny_lm.yaml" in result.stderr
     assert "tiny_lm/train.log" in result.stderr
