@@ -1,6 +1,7 @@
 """bf16 training under DeepSpeed ZeRO 2 and 3 with linear-attention layers (issue 7, item 3), on 2 gloo ranks.
 
-The model is a hybrid: linear, cosine and inline layers (linear attention, ``impl=chunk``) and a softmax layer.
+The model is a hybrid: linear, cosine and inline layers (linear attention, ``impl=chunk``), an AFT-local layer
+(the causal chunked AFT, 16-token chunks) and a softmax layer.
 Under ``deepspeed.precision=bf16`` DeepSpeed casts the module to bf16 and keeps fp32 master weights in its ZeRO
 optimizer, so the ops see bf16 q, k, v and must hand back bf16 gradients computed with fp32 sums.
 
@@ -25,7 +26,8 @@ LINEAR_MIXERS = ("linear", "cosine", "inline")
 def bf16_overrides(lm_data, run_dir, stage, steps, impl="chunk"):
     linear_impl = {f"model__mixer_options__{name}__impl": impl for name in LINEAR_MIXERS}
     return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, deepspeed__precision="bf16",
-                          model__n_layers=4, model__layer_pattern="[" + ",".join(LINEAR_MIXERS) + ",softmax]",
+                          model__n_layers=5, model__layer_pattern="[" + ",".join(LINEAR_MIXERS) + ",aft_local,softmax]",
+                          model__mixer_options__aft_local__window=8, model__mixer_options__aft_local__chunk_size=16,
                           train__max_steps=steps, train__grad_clip=0.0, schedule__name="constant",
                           checkpoint__every=CUT, log__val_every=CUT, log__val_batches=4, **linear_impl)
 
