@@ -15,6 +15,9 @@ once, with the same windows as the trainer's validation (``pretrain/train/evalua
   nll            mean negative log-likelihood per token (nats); ppl = exp(nll)
   bits_per_byte  total NLL / ln 2 / UTF-8 bytes of the text
   word_ppl       exp(total NLL / (whitespace words + lines)): one end-of-line per line, the WikiText convention
+  by_position    with --by-position: tokens, nll and ppl per document position of the target, in doubling
+                 buckets (0, 1, 2-3, 4-7, ...). Does the model use long context? Positions past --seq-len see at
+                 most --seq-len tokens (less with the default stride): evaluate at the length you want to probe.
 """
 import argparse
 import json
@@ -94,18 +97,33 @@ def score(args, model, cfg, checkpoint_path, rank: int, world_size: int, device)
     docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe)) if i % world_size == rank]
     local_tokens = sum(len(tokens) for tokens, _, _ in docs)
     with tqdm(total=local_tokens, unit="tok", desc="scoring", file=sys.stderr, disable=rank != 0) as bar:
-        nll, tokens = score_documents(model, (tokens for tokens, _, _ in docs), seq_len=seq_len, stride=stride,
-                                      batch_size=args.batch_size, eos_id=tokenizer.eos_id, device=device,
-                                      progress=bar)
+        scores = score_documents(model, (tokens for tokens, _, _ in docs), seq_len=seq_len, stride=stride,
+                                 batch_size=args.batch_size, eos_id=tokenizer.eos_id, device=device,
+                                 progress=bar, by_position=args.by_position)
+    nll, tokens = scores.nll, scores.tokens
     num_bytes, words = sum(b for _, b, _ in docs), sum(w for _, _, w in docs)
     if world_size > 1:
         counts = torch.tensor([num_bytes, words], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(counts)
         num_bytes, words = (int(c) for c in counts.tolist())
-    return {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
-            "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
-            "bytes": num_bytes, "words": words, "checkpoint": str(checkpoint_path), "seq_len": seq_len, "stride": stride,
-            "ranks": world_size}
+    result = {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
+              "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
+              "bytes": num_bytes, "words": words, "checkpoint": str(checkpoint_path), "seq_len": seq_len,
+              "stride": stride, "ranks": world_size}
+    if scores.by_position is not None:
+        result["by_position"] = position_rows(scores.by_position)
+    return result
+
+
+def position_rows(by_position) -> list[dict]:
+    """The non-empty buckets of ``Scores.by_position`` as rows: positions covered, tokens, mean nll and ppl."""
+    rows = []
+    for bucket, (nll, count) in enumerate(by_position.tolist()):
+        if count:
+            first, last = (0, 0) if bucket == 0 else (2 ** (bucket - 1), 2 ** bucket - 1)
+            rows.append({"positions": f"{first}-{last}" if last > first else str(first), "tokens": int(count),
+                         "nll": nll / count, "ppl": math.exp(nll / count)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stride", type=int, help="window start every S tokens (default: --seq-len, no overlap)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--by-position", action="store_true",
+                        help="also report the loss per document position of the target (doubling buckets)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     args = parser.parse_args(argv)
 
@@ -131,9 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.json:
         print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>14}  {value}")
+        return 0
+    rows = result.pop("by_position", [])
+    for key, value in result.items():
+        print(f"{key:>14}  {value}")
+    if rows:
+        print(f"\n{'positions':>14}  {'tokens':>9}  {'nll':>7}  {'ppl':>9}")
+        for row in rows:
+            print(f"{row['positions']:>14}  {row['tokens']:>9}  {row['nll']:7.4f}  {row['ppl']:9.2f}")
     return 0
 
 

@@ -101,10 +101,11 @@ class CausalLM(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, reduction="sum"):
         """``input_ids`` ``[B, T]`` → logits ``[B, T, V]``; ``position_ids`` restart at 0 at each document start.
 
-        With ``labels [B, T]`` (-100: not scored), the summed fp32 NLL instead, without ever holding the logits.
+        With ``labels [B, T]`` (-100: not scored), the summed fp32 NLL instead, without ever holding the logits
+        (``reduction="none"``: each token's, for evaluation).
         """
         if position_ids is None:  # one document per row: the plain batched path, no cu_seqlens needed
             cu_seqlens = None
@@ -114,7 +115,7 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         for block in self.layers:
             x = block(x, cu_seqlens, position_ids)
-        return self.lm_head(self.norm(x), labels)
+        return self.lm_head(self.norm(x), labels, reduction=reduction)
 
     def step(self, token_ids, states=None):
         """Decode one token per row: ``token_ids`` ``[B]`` → ``(logits [B, V], states)``; ``states=None`` at start.

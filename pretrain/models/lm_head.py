@@ -22,26 +22,37 @@ class LMHead(nn.Linear):
     def __init__(self, dim: int, vocab: int):
         super().__init__(dim, vocab, bias=False)
 
-    def forward(self, x, labels=None, ignore_index: int = -100):
+    def forward(self, x, labels=None, *, ignore_index: int = -100, reduction: str = "sum"):
         if labels is None:
             return F.linear(x, self.weight)
-        return linear_cross_entropy(x, self.weight, labels, ignore_index)
+        return linear_cross_entropy(x, self.weight, labels, ignore_index=ignore_index, reduction=reduction)
 
 
-def linear_cross_entropy(x, weight, labels, ignore_index: int = -100):
-    """``cross_entropy(x @ weightᵀ, labels, reduction="sum")`` over ``x [..., dim]``, ``labels [...]``, fused."""
+def linear_cross_entropy(x, weight, labels, *, ignore_index: int = -100, reduction: str = "sum"):
+    """``cross_entropy(x @ weightᵀ, labels, reduction=...)`` over ``x [..., dim]``, ``labels [...]``, fused.
+
+    ``reduction="none"`` (each token's NLL, 0 where not scored) is for evaluation only: the gradients computed on
+    the way are those of the sum, so it refuses to run where autograd would need it.
+    """
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"reduction must be 'sum' or 'none'; got {reduction!r}")
+    per_token = reduction == "none"
+    if per_token and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        raise ValueError("reduction='none' is for evaluation: run it under torch.no_grad()")
     # inside a Function grad mode is off and needs_input_grad ignores it: say whether gradients are wanted
-    return _LinearCrossEntropy.apply(x.flatten(0, -2), weight, labels.flatten(), ignore_index, torch.is_grad_enabled())
+    nll = _LinearCrossEntropy.apply(x.flatten(0, -2), weight, labels.flatten(), ignore_index,
+                                    torch.is_grad_enabled() and not per_token, per_token)
+    return nll.view(labels.shape) if per_token else nll
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """``Σ_scored −log softmax(x Wᵀ)[label]`` chunk by chunk, its gradients computed on the way (module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, labels, ignore_index, grad_enabled):
+    def forward(ctx, x, weight, labels, ignore_index, grad_enabled, per_token):
         wants_x, wants_w = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         accumulate = torch.promote_types(x.dtype, torch.float32)
-        nll = torch.zeros((), dtype=accumulate, device=x.device)
+        nll = torch.zeros(x.shape[0] if per_token else (), dtype=accumulate, device=x.device)
         grad_x = torch.empty_like(x) if wants_x else None
         grad_w = torch.zeros_like(weight, dtype=accumulate) if wants_w else None
         step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
@@ -51,7 +62,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scored = targets != ignore_index
             targets = torch.where(scored, targets, 0)[:, None]
             log_norm = logits.logsumexp(dim=-1, keepdim=True)
-            nll = nll + ((log_norm - logits.gather(1, targets)).squeeze(1) * scored).sum()
+            token_nll = (log_norm - logits.gather(1, targets)).squeeze(1) * scored
+            if per_token:
+                nll[start:start + step] = token_nll
+            else:
+                nll = nll + token_nll.sum()
             if wants_x or wants_w:  # d nll / d logits = softmax − one-hot, on scored rows
                 grad_logits = logits.sub_(log_norm).exp_().scatter_add_(1, targets, -torch.ones_like(log_norm))
                 grad_logits = (grad_logits * scored[:, None]).to(x.dtype)
@@ -66,4 +81,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_nll):
         grad_x, grad_w = ctx.saved_tensors
         scale = lambda grad: None if grad is None else grad * grad_nll.to(grad.dtype)  # noqa: E731
-        return scale(grad_x), scale(grad_w), None, None, None
+        return scale(grad_x), scale(grad_w), None, None, None, None

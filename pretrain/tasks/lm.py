@@ -65,10 +65,11 @@ class LMTask:
         world, t = self.world, self.cfg.train
         documents = (doc.tokens for i, doc in enumerate(read_shard_documents(self.val_urls))
                      if i % world.world_size == world.rank)
-        nll, tokens = score_documents(model, documents, seq_len=t.seq_len, stride=t.seq_len,
-                                      batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id, device=device,
-                                      max_batches=self.cfg.log.val_batches)
-        return {"val/loss": nll / tokens, "val/ppl": math.exp(nll / tokens), "val/tokens": tokens}
+        scores = score_documents(model, documents, seq_len=t.seq_len, stride=t.seq_len,
+                                 batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id, device=device,
+                                 max_batches=self.cfg.log.val_batches)
+        mean = scores.nll / scores.tokens
+        return {"val/loss": mean, "val/ppl": math.exp(mean), "val/tokens": scores.tokens}
 
     def state_dict(self) -> dict:
         return self.loader.state_dict()

@@ -43,6 +43,20 @@ def test_equals_cross_entropy_on_full_logits_in_fp64(monkeypatch, rows, ignored,
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_per_token_losses_for_evaluation(monkeypatch):
+    monkeypatch.setattr(lm_head_module, "LOGITS_PER_CHUNK", 33)
+    x, weight, labels = inputs(10, 6, 11, ignored=(0, 4))
+    want = F.cross_entropy(F.linear(x, weight), labels, ignore_index=IGNORE, reduction="none")
+    with torch.no_grad():
+        got = fused(x.view(2, 5, 6), weight, labels.view(2, 5), reduction="none")
+    assert got.shape == (2, 5)
+    torch.testing.assert_close(got.flatten(), want.detach(), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="no_grad"):  # the gradients computed on the way are the sum's
+        fused(x, weight, labels, reduction="none")
+    with pytest.raises(ValueError, match="'mean'"):
+        fused(x, weight, labels, reduction="mean")
+
+
 def test_gradcheck(monkeypatch):
     monkeypatch.setattr(lm_head_module, "LOGITS_PER_CHUNK", 10)
     x, weight, labels = inputs(5, 3, 5, ignored=(2,))

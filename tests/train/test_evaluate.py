@@ -4,6 +4,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from pretrain.config import ModelConfig, load_config
@@ -11,7 +12,8 @@ from pretrain.data.shards import ShardError
 from pretrain.distributed.process_group import World
 from pretrain.models import build_lm
 from pretrain.tasks.lm import LMTask
-from pretrain.train.evaluate import IGNORE, batch_nll, document_windows, score_documents
+from pretrain.train.evaluate import (IGNORE, POSITION_BUCKETS, batch_nll, document_windows, position_bucket,
+                                     score_documents)
 
 EOS = 3
 
@@ -23,8 +25,10 @@ def test_windows_score_every_token_once_with_enough_context(seq_len, stride):
         tokens = rng.integers(4, 100, size=n)
         stream = np.concatenate([[EOS], tokens])
         scored, start = [], 0
-        for inputs, positions, targets in document_windows(tokens, seq_len=seq_len, stride=stride, eos_id=EOS):
-            assert len(inputs) == len(positions) == len(targets) <= seq_len
+        windows = document_windows(tokens, seq_len=seq_len, stride=stride, eos_id=EOS)
+        for inputs, positions, targets, target_positions in windows:
+            assert len(inputs) == len(positions) == len(targets) == len(target_positions) <= seq_len
+            assert (target_positions == np.arange(start, start + len(inputs))).all()  # stream index − 1
             assert (inputs == stream[start:start + len(inputs)]).all()
             for j in np.flatnonzero(targets != IGNORE):
                 i = start + j + 1  # stream index of the target
@@ -51,12 +55,13 @@ def test_packed_batches_score_like_each_window_alone(stride):
     model = build_lm(OmegaConf.structured(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2))).eval()
     rng = np.random.default_rng(stride)
     docs = [rng.integers(4, 50, size=int(n)) for n in rng.integers(1, 90, size=12)]
-    nll, tokens = score_documents(model, docs, seq_len=32, stride=stride, batch_size=3, eos_id=EOS,
-                                  device=torch.device("cpu"))
+    scores = score_documents(model, docs, seq_len=32, stride=stride, batch_size=3, eos_id=EOS,
+                             device=torch.device("cpu"))
+    nll, tokens = scores.nll, scores.tokens
     expected_nll, expected_tokens = 0.0, 0
     with torch.no_grad():
         for doc in docs:
-            for inputs, positions, targets in document_windows(doc, seq_len=32, stride=stride, eos_id=EOS):
+            for inputs, positions, targets, _ in document_windows(doc, seq_len=32, stride=stride, eos_id=EOS):
                 row = {name: torch.from_numpy(a).long()[None] for name, a in
                        (("input_ids", inputs), ("position_ids", positions), ("labels", targets))}
                 window_nll, window_tokens = batch_nll(model, row, torch.device("cpu"))
@@ -64,6 +69,37 @@ def test_packed_batches_score_like_each_window_alone(stride):
                 expected_tokens += window_tokens
     assert tokens == expected_tokens == sum(len(d) for d in docs)
     assert nll == pytest.approx(expected_nll, rel=1e-5)
+
+
+@pytest.mark.parametrize("stride", [32, 11])
+def test_loss_by_position_holds_every_token_once_in_its_bucket(stride):
+    """Each scored token's own NLL (from the full logits of its window alone) lands in the bucket of its document
+    position; the buckets add up to the totals."""
+    torch.manual_seed(0)
+    model = build_lm(OmegaConf.structured(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2))).double().eval()
+    rng = np.random.default_rng(stride)
+    docs = [rng.integers(4, 50, size=int(n)) for n in rng.integers(1, 90, size=12)]
+    scores = score_documents(model, docs, seq_len=32, stride=stride, batch_size=3, eos_id=EOS,
+                             device=torch.device("cpu"), by_position=True)
+    expected = torch.zeros(POSITION_BUCKETS, 2, dtype=torch.float64)
+    with torch.no_grad():
+        for doc in docs:
+            for window, (inputs, positions, targets, _) in enumerate(
+                    document_windows(doc, seq_len=32, stride=stride, eos_id=EOS)):
+                logits = model(torch.from_numpy(inputs)[None], position_ids=torch.from_numpy(positions)[None])[0]
+                token_nll = F.cross_entropy(logits, torch.from_numpy(targets), ignore_index=IGNORE, reduction="none")
+                for j in np.flatnonzero(targets != IGNORE):  # target j of the window starting at window · stride
+                    bucket = int(window * stride + j).bit_length()
+                    expected[bucket, 0] += token_nll[j].item()
+                    expected[bucket, 1] += 1
+    assert scores.by_position[:, 1].sum() == scores.tokens == sum(len(d) for d in docs)
+    assert scores.by_position[:, 0].sum().item() == pytest.approx(scores.nll, rel=1e-9)
+    torch.testing.assert_close(scores.by_position, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_position_buckets_double():
+    edges = torch.tensor([0] + [p for k in range(1, 47) for p in (2 ** k - 1, 2 ** k)])
+    assert position_bucket(edges).tolist() == [int(p).bit_length() for p in edges.tolist()]
 
 
 def test_trainer_validation_refuses_a_damaged_shard_naming_it(lm_data, tmp_path):

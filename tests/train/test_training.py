@@ -160,6 +160,22 @@ def test_eval_ppl_on_a_text_file_counts_tokens_bytes_and_words(zero_run, lm_data
     assert 1.0 < scores["ppl"] < 320  # better than uniform over the vocabulary after training
 
 
+def test_eval_ppl_by_position_splits_the_same_scores_into_doubling_buckets(zero_run, lm_data):
+    command = [PYTHON, "tools/eval_ppl.py", "--run", str(zero_run(0)), "--data", lm_data["held_out"], "--seq-len", "64"]
+    scores = json.loads(subprocess.run(command + ["--json", "--by-position"], cwd=REPO, capture_output=True,
+                                       text=True, check=True).stdout.strip().splitlines()[-1])
+    rows = scores["by_position"]
+    assert [row["positions"] for row in rows][:4] == ["0", "1", "2-3", "4-7"]
+    assert sum(row["tokens"] for row in rows) == scores["tokens"]
+    assert sum(row["nll"] * row["tokens"] for row in rows) == pytest.approx(scores["nll"] * scores["tokens"])
+    assert all(row["ppl"] == pytest.approx(math.exp(row["nll"])) for row in rows)
+    plain = json.loads(subprocess.run(command + ["--json"], cwd=REPO, capture_output=True, text=True,
+                                      check=True).stdout.strip().splitlines()[-1])
+    assert plain["nll"] == pytest.approx(scores["nll"], rel=1e-6) and "by_position" not in plain
+    table = subprocess.run(command + ["--by-position"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "positions" in table and "\n           2-3" in table
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
