@@ -43,30 +43,21 @@ PATTERNS = [["softmax"], ["linear"], ["linear", "softmax"], ["aft_local", "inlin
 
 
 @pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
-def test_step_logits_equal_the_parallel_forward(pattern):
+@pytest.mark.parametrize("prompt", [0, 9], ids=["step-only", "prefill-9"])
+def test_decoding_logits_equal_the_parallel_forward(pattern, prompt):
+    """Every token through ``step``, or the first ``prompt`` through ``prefill`` and the rest through ``step``."""
     model = random_lm(pattern)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         parallel = model(ids)
         states, steps = None, []
-        for t in range(ids.shape[1]):
+        if prompt:
+            logits, states = model.prefill(ids[:, :prompt])
+            steps.append(logits)
+        for t in range(prompt, ids.shape[1]):
             logits, states = model.step(ids[:, t], states)
             steps.append(logits)
-    torch.testing.assert_close(torch.stack(steps, dim=1), parallel, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
-def test_prefill_then_step_logits_equal_the_parallel_forward(pattern):
-    model = random_lm(pattern)
-    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        parallel = model(ids)
-        logits, states = model.prefill(ids[:, :9])
-        steps = [logits]
-        for t in range(9, ids.shape[1]):
-            logits, states = model.step(ids[:, t], states)
-            steps.append(logits)
-    torch.testing.assert_close(torch.stack(steps, dim=1), parallel[:, 8:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.stack(steps, dim=1), parallel[:, max(prompt - 1, 0):], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
