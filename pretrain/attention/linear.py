@@ -14,7 +14,6 @@ from .common import check_heads, merge_heads, project_heads, projection_flops
 from .registry import register
 
 
-
 def one_plus_unit(x: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` → ``[..., 1 + D]``: a constant 1 followed by ``x / ‖x‖``, so ``φ(q)·φ(k) = 1 + q̂·k̂``."""
     return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)

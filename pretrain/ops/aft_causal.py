@@ -16,7 +16,7 @@ outside what learned keys do.
 import torch
 import torch.nn.functional as F
 
-from .documents import document_ids
+from .documents import causal_same_document, chunked_document_ids
 from .precision import upcast
 
 
@@ -60,23 +60,20 @@ class _Layout:
     """Where documents fall in chunks of L tokens (the padding past T is a document of its own)."""
 
     def __init__(self, total: int, size: int, cu_seqlens, device):
-        self.count = -(-total // size)
-        self.padded = self.count * size
         cu = None if cu_seqlens is None else cu_seqlens.to(device=device, dtype=torch.long)
-        doc = document_ids(total, cu, device)
-        doc = F.pad(doc, (0, self.padded - total), value=int(doc[-1]) + 1)
-        by_chunk = doc.view(self.count, size)
+        by_chunk = chunked_document_ids(total, cu, size, device)
+        self.count, self.padded = by_chunk.shape[0], by_chunk.numel()
         first, last = by_chunk[:, 0], by_chunk[:, -1]
         # chunk c starts inside the document that ended chunk c − 1 / c's last document began before c
         self.continues = torch.cat([first.new_zeros(1, dtype=torch.bool), first[1:] == last[:-1]])
         self.tail_runs_on = last[1:] == last[:-1]
         self.reads_carry = self.continues[:, None] & (by_chunk == first[:, None])  # [n, L]
         self.in_tail = by_chunk == last[:, None]  # [n, L]
-        causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()
-        self.same_doc = causal & (by_chunk[:, :, None] == by_chunk[:, None, :])  # [n, L, L]
+        self.same_doc = causal_same_document(by_chunk)  # [n, L, L]
         behind = F.pad(by_chunk[:-1], (0, 0, 1, 0), value=-1)  # the previous chunk's documents (none for c = 0)
         self.same_doc_back = by_chunk[:, :, None] == behind[:, None, :]  # [n, L, L]
         # pieces: the tokens of one document inside one chunk
+        doc = by_chunk.flatten()
         starts = torch.ones_like(doc, dtype=torch.bool)
         starts[1:] = doc[1:] != doc[:-1]
         starts[::size] = True

@@ -4,6 +4,7 @@ A scan that resets at every document start is the same thing as the scan run on 
 in Python costs one call per document, which is cheap next to the work inside for documents of useful length.
 """
 import torch
+import torch.nn.functional as F
 
 
 def document_slices(cu_seqlens: torch.Tensor) -> list[slice]:
@@ -40,6 +41,21 @@ def document_positions(total: int, cu_seqlens: torch.Tensor | None, device=None)
         return positions
     starts = cu_seqlens.long().to(device).unique_consecutive()  # empty documents share an offset
     return positions - starts[document_ids(total, cu_seqlens, device)]
+
+
+def chunked_document_ids(total: int, cu_seqlens: torch.Tensor | None, size: int, device=None) -> torch.Tensor:
+    """``[n, size]``: each token's document in chunks of ``size`` tokens (the chunked ops' layout). The padding past
+    T is a document of its own, id ``total``, which no real document has."""
+    count = -(-total // size)
+    doc = F.pad(document_ids(total, cu_seqlens, device), (0, count * size - total), value=total)
+    return doc.view(count, size)
+
+
+def causal_same_document(by_chunk: torch.Tensor) -> torch.Tensor:
+    """``[n, L, L]`` bool from ``chunked_document_ids``: may a chunk's token t see its token j (j ≤ t, same doc)?"""
+    size = by_chunk.shape[1]
+    causal = torch.ones(size, size, dtype=torch.bool, device=by_chunk.device).tril()
+    return causal & (by_chunk[:, :, None] == by_chunk[:, None, :])
 
 
 def document_mask(total: int, cu_seqlens: torch.Tensor | None, *, causal: bool, device=None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..documents import document_ids
+from ..documents import causal_same_document, chunked_document_ids
 from .normalize import normalized
 from .runs import gather_runs, repack, unpack
 
@@ -76,24 +76,23 @@ BLOCK_ELEMENTS = 1 << 20
 
 
 class _Chunks:
-    """Where the documents of a packed stream fall in chunks of C tokens (the tail padding is document N)."""
+    """Where the documents of a packed stream fall in chunks of C tokens (the tail padding is a document of its
+    own; the state entering after the last chunk is the initial states' padding row N)."""
 
     def __init__(self, cu: torch.Tensor, total: int, size: int):
         self.size, self.total = size, total
         self.num_docs = cu.numel() - 1
-        self.count = -(-total // size)
-        doc = F.pad(document_ids(total, cu, cu.device), (0, self.count * size - total), value=self.num_docs)
-        doc = doc.view(self.count, size)
+        doc = chunked_document_ids(total, cu, size, cu.device)
+        self.count = doc.shape[0]
         first = doc[:, 0]
         self.first_doc = int(first[0])
-        self.next_doc = torch.cat([first[1:], first.new_full((1,), self.num_docs)])  # document at the next start
+        self.next_doc = torch.cat([first[1:], first.new_full((1,), self.num_docs)])  # after the last: row N, zeros
         self.carries = self.next_doc == first  # the document of this chunk's start runs into the next chunk
         self.carries_list = self.carries.tolist()
         self.last_chunk = (cu[1:] - 1) // size  # the chunk holding each document's last token
         self.reads_state = (doc == first[:, None])[:, None, :, None]  # token continues the chunk-start document
         self.feeds_next = (doc == self.next_doc[:, None])[:, None, :, None]  # token's document runs on
-        causal = torch.ones(size, size, dtype=torch.bool, device=cu.device).tril()
-        self.mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]  # [NC, 1, C, C]
+        self.mask = causal_same_document(doc)[:, None]  # [NC, 1, C, C]
 
     def blocks(self, heads: int, width: int) -> list[tuple[int, int]]:
         """Consecutive ranges of chunks, small enough on CPU that their temporaries stay in cache-sized buffers."""
