@@ -1,7 +1,8 @@
-"""Packed documents for ops whose fast form is a per-sequence scan: run the op once per document.
+"""Packed documents (``cu_seqlens`` offsets along one row): which tokens share one, and ops done per document.
 
-A scan that resets at every document start is the same thing as the scan run on each document alone; looping
-in Python costs one call per document, which is cheap next to the work inside for documents of useful length.
+The references mask with ``document_mask``; the chunked ops lay the ids out by chunk; ``document_sums`` is a
+segmented sum. An op whose fast form is a per-sequence scan can simply run once per document
+(``per_document``): one Python call each, cheap next to the work inside for documents of useful length.
 """
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,38 @@ def document_positions(total: int, cu_seqlens: torch.Tensor | None, device=None)
         return positions
     starts = cu_seqlens.long().to(device).unique_consecutive()  # empty documents share an offset
     return positions - starts[document_ids(total, cu_seqlens, device)]
+
+
+def document_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None, *, causal: bool, reverse: bool = False,
+                  initial: torch.Tensor | None = None):
+    """Per token of ``x [B, T, ...]``, the sum over its document (a row, or a ``cu_seqlens`` piece of the one row)
+    of the tokens up to it (causal), from it on (causal, ``reverse``) or all of them; and each document's total
+    ``[N, ...]``. ``initial [N, ...]`` is added to every sum and total of its document.
+
+    Packed documents take differences of one running sum, in fp64 so that what precedes a document cancels
+    closely enough for fp32 results (a plain cumsum has no segmented form).
+    """
+    if cu_seqlens is None:
+        totals = x.sum(1)
+        if not causal:
+            sums = totals[:, None].expand_as(x)
+        else:
+            sums = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+        per_token = None if initial is None else initial[:, None]
+    else:
+        cu = cu_seqlens.long().to(x.device)
+        doc = document_ids(x.shape[1], cu, x.device)
+        running = torch.cat([x.new_zeros(1, *x.shape[2:], dtype=torch.float64), x[0].double().cumsum(0)])
+        before, after = running[cu[:-1]], running[cu[1:]]  # the running sum at each document's start and end
+        if not causal:
+            sums = (after - before)[doc]
+        else:
+            sums = after[doc] - running[:-1] if reverse else running[1:] - before[doc]
+        sums, totals = sums.to(x.dtype)[None], (after - before).to(x.dtype)
+        per_token = None if initial is None else initial[doc][None]
+    if initial is None:
+        return sums, totals
+    return sums + per_token, totals + initial
 
 
 def chunked_document_ids(total: int, cu_seqlens: torch.Tensor | None, size: int, device=None) -> torch.Tensor:

@@ -24,7 +24,7 @@ def linear_attention_chunk(q, k, v, *, causal, normalize, eps, cu_seqlens, initi
                            chunk_size):
     """``linear_attention`` in chunks of ``chunk_size`` tokens; the non-causal form needs no chunks."""
     core = partial(chunked_core, chunk_size=chunk_size) if causal else global_core
-    return normalized(core, q, k, v, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
+    return normalized(core, q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
                       initial_state=initial_state, output_final_state=output_final_state)
 
 

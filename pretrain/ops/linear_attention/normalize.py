@@ -2,17 +2,20 @@
 
 A "core" computes ``o_t = qᵀ S_t`` with ``S_t = S_0 + Σ_j k_j v_jᵀ`` (causal or global, per document) and the
 final ``S``. Appending a column of ones to v makes the same core also return ``q·z_t`` (the divisive
-denominator), and a core call with q = k = 1 returns ``u_t`` and ``n_t`` (InLine's sums) — so each fast form
-writes (and differentiates) only the core, and the state ``(S, z)`` is the augmented ``[D, Dv + 1]`` matrix.
+denominator), and a core call with q = k = 1 returns InLine's ``u_t`` (its count ``n_t`` is a cumsum). So each
+fast form writes (and differentiates) only the core, and the state ``(S, z)`` is the augmented ``[D, Dv + 1]``
+matrix.
 """
 import torch
 
+from ..documents import document_sums
 from ..precision import upcast
 from .state import LinearAttentionState
 
 
-def normalized(core, q, k, v, *, normalize, eps, cu_seqlens, initial_state, output_final_state):
-    """Linear attention with ``normalize`` from ``core(q, k, v, initial, cu_seqlens, output_final) -> (o, S)``."""
+def normalized(core, q, k, v, *, causal, normalize, eps, cu_seqlens, initial_state, output_final_state):
+    """Linear attention with ``normalize`` from ``core(q, k, v, initial, cu_seqlens, output_final) -> (o, S)``,
+    a causal core if ``causal``."""
     dtype = q.dtype
     q, k, v = upcast(q, k, v)
     init = None if initial_state is None else LinearAttentionState(
@@ -30,12 +33,15 @@ def normalized(core, q, k, v, *, normalize, eps, cu_seqlens, initial_state, outp
     if normalize == "divisive":
         return _result((num / (den + eps)).to(dtype), final, output_final_state)
 
-    un0 = None if init is None else torch.cat([init.u, init.n[..., None]], dim=-1)[:, :, None]
-    un, un_final = core(ones, ones, v1, un0, cu_seqlens, output_final_state)
-    u, n = un[..., :-1], un[..., -1:]
-    o = num / n + (1 - den / n) * u / n
+    # u_t, the values' own sum, is the core with q = k = 1 (its chunked form beats a segmented cumsum on CPU);
+    # the count n_t depends on no token, so it is a cheap cumsum that carries no gradient in training
+    u0 = None if init is None else init.u[:, :, None]
+    u, u_final = core(ones, ones, v, u0, cu_seqlens, output_final_state)
+    n, n_final = document_sums(ones, cu_seqlens, causal=causal, initial=None if init is None else init.n[..., None])
+    inv_n = 1 / n
+    o = (num + (1 - den * inv_n) * u) * inv_n  # q·S/n + (1 − q·z/n)·u/n with one reciprocal, on [T, H, 1]
     if final is not None:
-        final = final._replace(u=un_final[:, :, 0, :-1], n=un_final[:, :, 0, -1])
+        final = final._replace(u=u_final[:, :, 0], n=n_final[..., 0])
     return _result(o.to(dtype), final, output_final_state)
 
 

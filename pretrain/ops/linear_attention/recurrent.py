@@ -15,7 +15,7 @@ def linear_attention_recurrent(q, k, v, *, causal, normalize, eps, cu_seqlens, i
     del chunk_size
     if not causal:
         raise ValueError("impl='recurrent' is causal only; use impl='chunk' or 'naive' for causal=False")
-    return normalized(recurrent_core, q, k, v, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
+    return normalized(recurrent_core, q, k, v, causal=True, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
                       initial_state=initial_state, output_final_state=output_final_state)
 
 

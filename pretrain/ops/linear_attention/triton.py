@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..documents import document_sums
 from .state import FIELDS, LinearAttentionState, zero_state
 
 NORMALIZE_CODES = {"none": 0, "divisive": 1, "subtractive": 2}
@@ -378,33 +379,6 @@ def _forward(q, k, v, g: _Launch, normalize, eps, causal, initial, want_final):
     return o, aux, final
 
 
-def _segment_sums(x, g: _Launch, *, causal):
-    """Per token: Σ over its sequence up to and including it (causal) or over all of it; and the totals.
-
-    x is [tokens, H, ...] fp32. Also returns each sequence's total, [N, H, ...].
-    """
-    seg = _segment_index(g, x.device)
-    totals = torch.zeros(g.N, *x.shape[1:], dtype=x.dtype, device=x.device).index_add_(0, seg, x)
-    if not causal:
-        return totals[seg], totals
-    inclusive = x.cumsum(0)
-    before = torch.cat([torch.zeros_like(inclusive[:1]), inclusive])[_segment_starts(g, x.device)]
-    return inclusive - before[seg], totals
-
-
-def _segment_starts(g: _Launch, device):
-    if g.cu_seqlens is None:
-        return torch.arange(g.N, device=device) * g.T
-    return g.cu_seqlens[:-1].long()
-
-
-def _segment_index(g: _Launch, device):
-    if g.cu_seqlens is None:
-        return torch.arange(g.N, device=device).repeat_interleave(g.T)
-    return torch.repeat_interleave(torch.arange(g.N, device=device), g.cu_seqlens.diff().long(),
-                                   output_size=g.tokens)
-
-
 def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normalize, causal, want_d_initial):
     """Gradients of q, k, v and of the initial state (S, z, u), given dO and the final state's gradient."""
     dev, dtype = q.device, q.dtype
@@ -418,19 +392,16 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
         scale = 1.0 / aux
         center = torch.empty_like(aux)  # −dO·o, written by the dq sweep
     elif normalize == "subtractive":
-        seg = _segment_index(g, dev)
-        u_t, _ = _segment_sums(v.reshape(g.tokens, g.H, g.DV).float(), g, causal=causal)
-        n_t, _ = _segment_sums(torch.ones(g.tokens, g.H, dtype=torch.float32, device=dev), g, causal=causal)
-        if initial is not None:
-            u_t, n_t = u_t + initial[2][seg], n_t + initial[3][seg]
+        u0, n0 = (None, None) if initial is None else initial[2:]
+        u_t, _ = document_sums(v.float(), g.cu_seqlens, causal=causal, initial=u0)
+        n_t, _ = document_sums(q.new_ones(q.shape[:3], dtype=torch.float32), g.cu_seqlens, causal=causal,
+                               initial=n0)
         scale = 1.0 / n_t
-        do_f = do.reshape(g.tokens, g.H, g.DV).float()
+        do_f = do.float()
         center = -(do_f * u_t).sum(-1) * scale
-        du = do_f * ((1.0 - aux * scale) * scale)[..., None]
-        inclusive, du_0 = _segment_sums(du, g, causal=causal)
-        dv_extra = du_0[seg] - inclusive + du if causal else inclusive  # Σ over the tokens that see v_j
-        if du_T is not None:
-            dv_extra, du_0 = dv_extra + du_T[seg], du_0 + du_T
+        du = do_f * ((1.0 - aux.view_as(scale) * scale) * scale)[..., None]
+        # v_j's share: Σ over the tokens that see it (and the final u's gradient, which every v_j reaches)
+        dv_extra, du_0 = document_sums(du, g.cu_seqlens, causal=causal, reverse=True, initial=du_T)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     flags = dict(HAS_SCALE=scale is not None, HAS_CENTER=center is not None, **g.common())
     center_from_o = normalize == "divisive"
