@@ -110,6 +110,23 @@ def test_chunk_walks_blocks_of_chunks(monkeypatch, normalize, block_elements):
     assert_close_all(got[2], want[2], rtol=1e-9, atol=1e-9, what="grad")
 
 
+def test_state_scan_agrees_on_both_device_paths():
+    """The chunk core sums chunk states per document by a row loop on CPU and by one fp64 cumsum less each
+    segment's start elsewhere (the GPU path, otherwise untested here): both equal each segment summed alone."""
+    from pretrain.ops.linear_attention.chunk import _cumsum_in_segments, _scan_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 2, 3, 4, generator=g) + 50  # a large running sum for later segments to cancel
+    restart = torch.rand(40, generator=g) < 0.2
+    restart[0] = True
+    want = torch.empty_like(x, dtype=torch.float64)
+    for i in range(40):
+        want[i] = x[i].double() + (0 if restart[i] else want[i - 1])
+    for got in (_scan_rows(x, restart), _cumsum_in_segments(x, restart)):
+        assert got.dtype == x.dtype
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("chunk_size", [1, 2, 16, 64])
 def test_many_short_documents_any_chunk_size(seed, chunk_size):
