@@ -12,6 +12,7 @@ is not redone, so an interrupted sweep continues where it stopped. Prints a mark
 """
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every row (with its commands) here")
     parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
     args = parser.parse_args(argv)
+    _take_back_overrides(args, sys.argv[1:] if argv is None else argv, parser)
     for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
         try:
             load_config(config_path, args.overrides)
@@ -104,6 +106,20 @@ def main(argv: list[str] | None = None) -> int:
                                         indent=1))
     print(markdown_table(rows))
     return 0
+
+
+def _take_back_overrides(args, argv: list[str], parser):
+    """``--configs`` and ``--eval-data`` take every word after them, so overrides written after either would be
+    read as files: wherever a ``key=value`` that is no existing path stands, it is an override (in argv order)."""
+    def is_override(word):
+        return re.fullmatch(r"[A-Za-z_][\w.-]*=.*", word) is not None and not Path(word).exists()
+
+    args.overrides = [word for word in argv if is_override(word)]
+    args.configs = [word for word in args.configs if not is_override(word)]
+    args.eval_data = [word for word in args.eval_data if not is_override(word)]
+    for option, words in (("--configs", args.configs), ("--eval-data", args.eval_data)):
+        if not words:
+            parser.error(f"{option} names no file (only key=value overrides followed it)")
 
 
 if __name__ == "__main__":

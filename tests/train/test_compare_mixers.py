@@ -12,8 +12,10 @@ def compare(lm_data, out, *extra):
     overrides = [o for o in tiny_overrides(lm_data, out, train__max_steps=4, schedule__warmup_steps=1,
                                            log__val_every=4, log__val_batches=2, checkpoint__every=4)
                  if not o.startswith("run.dir=")]  # the tool gives each config its own run directory
-    return subprocess.run([sys.executable, "tools/compare_mixers.py", "--configs", *CONFIGS, "--out", str(out),
-                           "--eval-data", lm_data["held_out"], "--json", str(out / "rows.json"), *overrides, *extra],
+    # overrides written straight after the nargs="+" options too: they must not be read as configs or files
+    return subprocess.run([sys.executable, "tools/compare_mixers.py", "--configs", *CONFIGS, *overrides[:2],
+                           "--out", str(out), "--eval-data", lm_data["held_out"], *overrides[2:4],
+                           "--json", str(out / "rows.json"), *overrides[4:], *extra],
                           cwd=REPO, capture_output=True, text=True)
 
 
