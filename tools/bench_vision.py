@@ -33,6 +33,8 @@ BACKBONES = {  # name: (stage mixers, mixer options over the preset's)
     "inline": (["inline"] * 4, {}),
     "inline_hybrid": (["inline", "inline", "inline", "softmax"], {}),
     "soft": (["soft", "soft", "soft", "softmax"], {"soft": {"landmark_stride": [8, 4, 2, 1]}}),  # SOFT's published
+    "soft_grid": (["soft", "soft", "soft", "softmax"],  # ... with at most 7×7 landmarks per stage at any size
+                  {"soft": {"landmark_stride": [8, 4, 2, 1], "landmark_grid": 7}}),
     "aft_conv": (["aft_conv"] * 4, {}),
     "cosine": (["cosine"] * 4, {}),
     "efficient": (["efficient"] * 4, {}),

@@ -9,9 +9,11 @@ from pretrain.models import build_vision_model
 from pretrain.models.vision import drop_path
 
 SOFT_STRIDES = {"soft": {"landmark_stride": [8, 4, 2, 1]}}  # SOFT's published per-stage strides
+SOFT_GRID = {"soft": {"landmark_stride": [2, 1, 1, 1], "landmark_grid": 2}}  # at most 2×2 landmarks per stage
 
 VARIANTS = {  # name: (stage_mixers, mixer_options)
     "soft": (["soft", "soft", "soft", "softmax"], SOFT_STRIDES),
+    "soft_grid": (["soft", "soft", "soft", "softmax"], SOFT_GRID),
     "inline": (["inline"] * 4, {}),
     "inline_hybrid": (["inline", "inline", "softmax", "softmax"], {}),
     "aft_conv": (["aft_conv"] * 4, {"aft_conv": {"kernel_size": 3}}),
@@ -53,7 +55,7 @@ def test_every_variant_trains_at_two_resolutions(variant):
     assert not silent, f"{variant} at 64 px: no gradient reaches {silent}"
 
 
-@pytest.mark.parametrize("variant", ["linear", "softmax", "aft_conv", "soft"])
+@pytest.mark.parametrize("variant", ["linear", "softmax", "aft_conv", "soft", "soft_grid"])
 def test_a_non_square_grid_keeps_rows_and_columns_apart(variant):
     """Transposing the image and every 2-D kernel must transpose nothing else: the mixers here are blind to token
     order beyond their kernels, and pooling is a mean, so the logits stay the same. A grid read with H and W swapped
@@ -92,7 +94,7 @@ def test_weights_trained_at_one_resolution_run_at_others(tmp_path):
         assert (restored(images) - tiny_model("soft", seed=1).eval()(images)).abs().amax() > 1e-4
 
 
-@pytest.mark.parametrize("variant", ["softmax", "soft", "linear", "aft_conv"])
+@pytest.mark.parametrize("variant", ["softmax", "soft", "soft_grid", "linear", "aft_conv"])
 def test_flops_per_image_matches_the_counted_matmuls_and_convolutions(variant):
     """PyTorch's FLOP counter sees every matmul and convolution that runs (softmax attention through the math
     kernel, which it can count). Softmax and SOFT mixers count exactly those; the linear-time mixers also count a
@@ -103,7 +105,7 @@ def test_flops_per_image_matches_the_counted_matmuls_and_convolutions(variant):
         with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH), torch.no_grad():
             model(torch.randn(1, 3, height, width))
         counted = counter.get_total_flops()
-        rel = 1e-9 if variant in ("softmax", "soft") else 0.03
+        rel = 1e-9 if variant.startswith("soft") else 0.03
         assert model.flops_per_image(height, width) == pytest.approx(counted, rel=rel), (height, width)
 
 
@@ -112,6 +114,28 @@ def test_flops_grow_linearly_with_pixels_for_linear_mixers_and_faster_for_softma
     head = 2 * 64 * 10
     assert linear.flops_per_image(128, 128) - head == pytest.approx(4 * (linear.flops_per_image(64, 64) - head))
     assert softmax.flops_per_image(128, 128) - head > 4.5 * (softmax.flops_per_image(64, 64) - head)
+
+
+def test_soft_landmark_grid_caps_the_landmarks_and_changes_nothing_below_the_cap():
+    """Published SOFT's landmarks grow with the image (FLOPs more than ×4 per ×4 pixels: the m³ inverse); with
+    ``landmark_grid`` their number stops at g² and the FLOPs grow slower than the pixels. Where the strided
+    convolution gives at most g per side nothing is pooled, so the model equals the published one."""
+    mixers, strides = ["soft"] * 4, {"landmark_stride": [2, 1, 1, 1]}
+    torch.manual_seed(0)
+    grown = build_vision_model(tiny_config(mixers, {"soft": strides})).eval()
+    torch.manual_seed(0)
+    capped = build_vision_model(tiny_config(mixers, {"soft": {**strides, "landmark_grid": 4}})).eval()
+    small = torch.randn(1, 3, 32, 32)  # stage grids 8, 4, 2, 1: landmarks 4×4, 4×4, 2×2, 1, all within the cap
+    with torch.no_grad():
+        torch.testing.assert_close(capped(small), grown(small))
+
+        first = (grown.layers[0].mixer, capped.layers[0].mixer)  # stride 2, 1 head of 16 channels
+        q = torch.randn(1, 32 * 48, 1, 16)
+        assert [mixer._landmarks(q, (32, 48)).shape[1] for mixer in first] == [16 * 24, 4 * 4]
+    head = 2 * 64 * 10
+    growth = [(model.flops_per_image(512, 512) - head) / (model.flops_per_image(256, 256) - head)
+              for model in (grown, capped)]
+    assert growth[0] > 4.0 >= growth[1], growth
 
 
 def test_builds_on_the_meta_device_with_the_same_parameters():
