@@ -89,10 +89,11 @@ def main():
             forward = dict(split_v, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
                            STORE_O=True, HAS_INITIAL=False, STORE_FINAL=False)
             flags = dict(HAS_SCALE=scaled, HAS_CENTER=scaled)
-            dq = dict(split_k, INTRA=True, HAS_INITIAL=False, CENTER_FROM_O=a.normalize == "divisive", **flags)
-            sweep = dict(INTRA=True, UPDATE=True, STORE=True, HAS_FINAL_GRAD=False, STORE_DS=False, **flags)
-            dk = dict(split_k, FOR_DK=True, **sweep)
-            dv = dict(split_v, FOR_DK=False, **sweep)
+            dq = dict(split_k, INTRA=True, HAS_INITIAL=False, CENTER_FROM=kernels.CENTER_SOURCES[a.normalize], **flags)
+            sweep = dict(INTRA=True, UPDATE=True, STORE=True, HAS_FINAL_GRAD=False, STORE_DS=False, STORE_DU=False,
+                         **flags)
+            dk = dict(split_k, FOR_DK=True, HAS_DU=False, **sweep)
+            dv = dict(split_v, FOR_DK=False, HAS_DU=a.normalize == "subtractive", **sweep)
             print(f"block={block} warps={warps} stages={stages} chunk={chunk} ({a.normalize}, {a.dtype}, "
                   f"sm_{a.arch}, D={d})", flush=True)
             for name, fn, constexprs in (("forward", kernels._forward_kernel, forward),

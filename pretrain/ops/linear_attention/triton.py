@@ -14,7 +14,9 @@ Backward. Divisive ``o = s·num`` with ``s = 1/den``; subtractive ``o = s·num +
   ``dk = tril(s ⊙ (dO vᵀ + c))ᵀ q + v dSᵀ + dz``, ``dv = tril(s ⊙ q kᵀ)ᵀ dO + k dS``.
 The forward and dv split the value channels into blocks (each needs every key channel for q kᵀ); dq and dk
 split the key channels (each needs every value channel for dO vᵀ): every program writes whole outputs.
-Subtractive's ``u/n`` terms are elementwise and cumulative sums, done in PyTorch around the kernels.
+Subtractive's ``u`` terms ride in the sweeps too: the dq sweep takes ``c = −s·dO·u_t`` with ``u_t``'s in-chunk
+part from the row sums of ``tril(dO vᵀ)``, and the dv sweep adds v's own share ``Σ_later w·dO``
+(``w = (1 − s·a)·s``) as a running sum. Around the kernels only per-token scalars (``s``, ``w``) are computed.
 
 Non-causal attention runs the same kernels twice: once to sum the whole sequence into a state, once to apply
 that state to every token (``INTRA=False``: no in-chunk term, no running sums).
@@ -31,6 +33,7 @@ from ..documents import document_sums
 from .state import FIELDS, LinearAttentionState, zero_state
 
 NORMALIZE_CODES = {"none": 0, "divisive": 1, "subtractive": 2}
+CENTER_SOURCES = {"none": 0, "divisive": 1, "subtractive": 2}  # the dq sweep computes c from o (1) or from u_t (2)
 
 
 @triton.jit
@@ -158,14 +161,15 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_dq_kernel(
-    k, v, g, o, scale, center, dq, s_in, z_in, cu_seqlens,
+    k, v, g, o, scale, center, dq, s_in, z_in, u_in, cu_seqlens,
     T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, CENTER_FROM_O: tl.constexpr,
+    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, CENTER_FROM: tl.constexpr,
     HAS_INITIAL: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Forward sweep for a block of key channels (all value channels), S and z running over earlier chunks:
-    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]. CENTER_FROM_O: c = −g·o here (divisive), written for dk."""
+    """Forward sweep for a block of key channels (all value channels), S, z (and u) running over earlier chunks:
+    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]. CENTER_FROM 1: c = −g·o here (divisive); 2: c = −s·g·u_t
+    (subtractive); either is written for the dk sweep. 0: c is read, if there is one."""
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
@@ -181,27 +185,39 @@ def _backward_dq_kernel(
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
+    u = tl.zeros([BV], dtype=tl.float32)
     if HAS_INITIAL:
         S += tl.load(s_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
                      mask=mk[:, None] & mv[None, :], other=0.0)
         if HAS_CENTER:
             z += tl.load(z_in + i_nh * DK + ck, mask=mk, other=0.0)
+        if CENTER_FROM == 2:
+            u += tl.load(u_in + i_nh * DV + cv, mask=mv, other=0.0)
 
     for start in range(0, length, BT):
         mt = start + rows < length
         g_c = _load(g, length, DV, start, 0, H, BT, BV)
         dq_c = _mm(g_c, tl.trans(S.to(dtype)), None, PRECISION)
-        if CENTER_FROM_O:
+        if CENTER_FROM == 1:
             c_c = -tl.sum(g_c.to(tl.float32) * _load(o, length, DV, start, 0, H, BT, BV).to(tl.float32), 1)
-            tl.store(center + (start + rows) * H, c_c, mask=mt & (tl.zeros([BT], tl.int32) + i_k == 0))
+        elif CENTER_FROM == 2:  # c = −s·g·u_t, u_t = u + Σ_{j ≤ t in the chunk} v_j
+            g_u = tl.sum(g_c.to(tl.float32) * u[None, :], 1)
+            if INTRA:  # the in-chunk part: the row sums of tril(g vᵀ), the score-gradient tile needed below
+                v_c = _load(v, length, DV, start, 0, H, BT, BV)
+                dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
+                g_u += tl.sum(tl.where(rows[:, None] >= rows[None, :], dA, 0.0), 1)
+            c_c = -g_u * tl.load(scale + (start + rows) * H, mask=mt, other=0.0)
         elif HAS_CENTER:
             c_c = tl.load(center + (start + rows) * H, mask=mt, other=0.0)
+        if CENTER_FROM > 0:
+            tl.store(center + (start + rows) * H, c_c, mask=mt & (tl.zeros([BT], tl.int32) + i_k == 0))
         if HAS_CENTER:
             dq_c += c_c[:, None] * z[None, :]
         if INTRA:
             k_c = _load(k, length, DK, start, i_k * BK, H, BT, BK)
-            v_c = _load(v, length, DV, start, 0, H, BT, BV)
-            dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
+            if CENTER_FROM != 2:  # (loaded after c: the compiler schedules the other forms better so)
+                v_c = _load(v, length, DV, start, 0, H, BT, BV)
+                dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
             if HAS_CENTER:
                 dA += c_c[:, None]
             dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
@@ -213,29 +229,33 @@ def _backward_dq_kernel(
             S = _mm(tl.trans(k_c), v_c, S, PRECISION)
             if HAS_CENTER:
                 z += tl.sum(k_c.to(tl.float32), 0)
+            if CENTER_FROM == 2:
+                u += tl.sum(v_c.to(tl.float32), 0)
 
 
 @triton.jit
 def _backward_dk_dv_kernel(
-    q, k, v, g, scale, center, dk, dv, ds_in, dz_in, ds_out, dz_out, cu_seqlens,
+    q, k, v, g, scale, center, weight, dk, dv, ds_in, dz_in, du_in, ds_out, dz_out, du_out, cu_seqlens,
     T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FOR_DK: tl.constexpr,
     INTRA: tl.constexpr, UPDATE: tl.constexpr, STORE: tl.constexpr,
     HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr, STORE_DS: tl.constexpr,
-    VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DU: tl.constexpr, STORE_DU: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Reverse sweep over dS = Σ_later (s q)ᵀ g and dz = Σ_later s c q, from the final state's gradient.
 
     FOR_DK: a block of key channels, all value channels: dk = tril(s ⊙ (g vᵀ + c))ᵀ q + v dSᵀ + dz.
-    Otherwise a block of value channels, all key channels: dv = tril(s ⊙ q kᵀ)ᵀ g + k dS.
-    STORE_DS writes dS (and dz) as they stand before the first token: the initial state's gradient."""
+    Otherwise a block of value channels, all key channels: dv = tril(s ⊙ q kᵀ)ᵀ g + k dS (+ du).
+    STORE_DS writes dS (and dz) as they stand before the first token: the initial state's gradient.
+    HAS_DU (subtractive) also runs du = Σ_later w g from ``du_in``, the gradient of u_t = Σ_{j ≤ t} v_j, which dv
+    adds; STORE_DU writes it as it stands before the first token."""
     i_b, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
     length = (eos - bos).to(tl.int32)
     q, k, dk = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK, dk + (bos * H + i_h) * DK
     v, g, dv = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV, dv + (bos * H + i_h) * DV
-    scale, center = scale + bos * H + i_h, center + bos * H + i_h
+    scale, center, weight = scale + bos * H + i_h, center + bos * H + i_h, weight + bos * H + i_h
     k0 = i_b * BK if FOR_DK else 0
     v0 = 0 if FOR_DK else i_b * BV
     rows = tl.arange(0, BT)
@@ -247,10 +267,13 @@ def _backward_dk_dv_kernel(
     state_offs = i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     dz = tl.zeros([BK], dtype=tl.float32)
+    du = tl.zeros([BV], dtype=tl.float32)
     if HAS_FINAL_GRAD:
         dS += tl.load(ds_in + state_offs, mask=mk[:, None] & mv[None, :], other=0.0)
         if HAS_CENTER:
             dz += tl.load(dz_in + i_nh * DK + ck, mask=mk, other=0.0)
+    if HAS_DU:
+        du += tl.load(du_in + i_nh * DV + cv, mask=mv, other=0.0)
 
     num_chunks = tl.cdiv(length, BT)
     for i in range(num_chunks):
@@ -262,6 +285,8 @@ def _backward_dk_dv_kernel(
             s_c = tl.load(scale + (start + rows) * H, mask=mt, other=0.0)
         if HAS_CENTER:
             c_c = tl.load(center + (start + rows) * H, mask=mt, other=0.0)
+        if HAS_DU:
+            wg_c = g_c.to(tl.float32) * tl.load(weight + (start + rows) * H, mask=mt, other=0.0)[:, None]
         if STORE:
             if FOR_DK:
                 v_c = _load(v, length, DV, start, 0, H, BT, BV)
@@ -286,6 +311,10 @@ def _backward_dk_dv_kernel(
                         A *= s_c[:, None]
                     A = tl.where(rows[:, None] >= rows[None, :], A, 0.0)
                     dv_c = _mm(tl.trans(A.to(dtype)), g_c, dv_c, PRECISION)
+                if HAS_DU:
+                    dv_c += du[None, :]
+                    if INTRA:  # the tokens at or after j in this chunk
+                        dv_c += tl.cumsum(wg_c, 0, reverse=True)
                 _store(dv, dv_c, length, DV, start, v0, H, BT, BV)
         if UPDATE:
             if HAS_SCALE:
@@ -295,7 +324,11 @@ def _backward_dk_dv_kernel(
                     dz += tl.sum(sq_c * c_c[:, None], 0)
             else:
                 dS = _mm(tl.trans(q_c), g_c, dS, PRECISION)
+            if HAS_DU:
+                du += tl.sum(wg_c, 0)
 
+    if STORE_DU:
+        tl.store(du_out + i_nh * DV + cv, du, mask=mv)
     if STORE_DS:
         tl.store(ds_out + state_offs, dS, mask=mk[:, None] & mv[None, :])
         if HAS_CENTER:
@@ -381,32 +414,25 @@ def _forward(q, k, v, g: _Launch, normalize, eps, causal, initial, want_final):
 
 def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normalize, causal, want_d_initial):
     """Gradients of q, k, v and of the initial state (S, z, u), given dO and the final state's gradient."""
-    dev, dtype = q.device, q.dtype
+    dev = q.device
     do = do.contiguous()
     dS_T, dz_T, du_T = d_final
     # With a per-token scale s (1/den, 1/n), the unnormalized output's gradient is s·dO and that of a = q·z
     # is δ = s·c. The kernels take dO itself and apply s to fp32 tiles (or to q), never to dO in bf16: in
     # dO·v_j + c = dO·(v_j − o) the two terms nearly cancel, and rounding s·dO would not cancel with them.
-    scale = center = dv_extra = du_0 = None
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    scale = center = weight = None
     if normalize == "divisive":
         scale = 1.0 / aux
         center = torch.empty_like(aux)  # −dO·o, written by the dq sweep
     elif normalize == "subtractive":
-        u0, n0 = (None, None) if initial is None else initial[2:]
-        u_t, _ = document_sums(v.float(), g.cu_seqlens, causal=causal, initial=u0)
         n_t, _ = document_sums(q.new_ones(q.shape[:3], dtype=torch.float32), g.cu_seqlens, causal=causal,
-                               initial=n0)
-        scale = 1.0 / n_t
-        do_f = do.float()
-        center = -(do_f * u_t).sum(-1) * scale
-        du = do_f * ((1.0 - aux.view_as(scale) * scale) * scale)[..., None]
-        # v_j's share: Σ over the tokens that see it (and the final u's gradient, which every v_j reaches)
-        dv_extra, du_0 = document_sums(du, g.cu_seqlens, causal=causal, reverse=True, initial=du_T)
-    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+                               initial=None if initial is None else initial[3])
+        scale = (1.0 / n_t).reshape(aux.shape)
+        weight = (1.0 - aux * scale) * scale  # ∂o_t/∂u_t: v's own share of the gradient is Σ_later w·dO
+        center = torch.empty_like(aux)  # −s·dO·u_t, written by the dq sweep
     flags = dict(HAS_SCALE=scale is not None, HAS_CENTER=center is not None, **g.common())
-    center_from_o = normalize == "divisive"
-    scale = dummy if scale is None else scale.contiguous()
-    center = dummy if center is None else center.contiguous()
+    scale, center, weight = (dummy if x is None else x.contiguous() for x in (scale, center, weight))
     split_k = dict(BK=g.BK_split, BV=g.BV_full)  # dq, dk: a block of key channels, every value channel
     split_v = dict(BK=g.BK_full, BV=g.BV_split)  # dv: a block of value channels, every key channel
 
@@ -414,13 +440,12 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     states = initial if causal else final
     dq = torch.empty_like(q)
     _backward_dq_kernel[(g.NK, g.N * g.H)](
-        k, v, do, o, scale, center, dq, *(states[:2] if states is not None else (dummy, dummy)), g.cu_seqlens,
-        INTRA=causal, CENTER_FROM_O=center_from_o, HAS_INITIAL=states is not None, **split_k, **flags)
+        k, v, do, o, scale, center, dq, *(states[:3] if states is not None else (dummy,) * 3), g.cu_seqlens,
+        INTRA=causal, CENTER_FROM=CENTER_SOURCES[normalize],
+        HAS_INITIAL=states is not None, **split_k, **flags)
 
     # dk, dv: reverse sweeps over dS = Σ_later (s q)ᵀ dO (for non-causal, first summed over the whole sequence)
-    dk = torch.empty_like(k)
-    # subtractive adds a second term to dv: keep the first in fp32 so the two do not cancel in bf16
-    dv = torch.empty_like(v, dtype=torch.float32 if dv_extra is not None else dtype)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     dS_0, dz_0 = g.state(g.DK, g.DV, device=dev), g.state(g.DK, device=dev)
     has_final_grad = dS_T is not None or dz_T is not None
     if has_final_grad:
@@ -428,29 +453,32 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
         dz_T = torch.zeros_like(dz_0) if dz_T is None else dz_T.float().contiguous()
     else:
         dS_T = dz_T = dummy
+    has_du = normalize == "subtractive"
+    du_0 = g.state(g.DV, device=dev) if has_du else dummy
+    if has_du:
+        du_T = torch.zeros_like(du_0) if du_T is None else du_T.float().contiguous()
 
-    def sweep(for_dk, intra, update, store, has_final, d_in, store_ds):
+    def sweep(for_dk, intra, update, store, has_final, d_in, store_ds, du_in=None, store_du=False):
         grid = (g.NK if for_dk else g.NV, g.N * g.H)
         _backward_dk_dv_kernel[grid](
-            q, k, v, do, scale, center, dk, dv, *d_in, dS_0, dz_0, g.cu_seqlens, FOR_DK=for_dk,
-            INTRA=intra, UPDATE=update, STORE=store, HAS_FINAL_GRAD=has_final, STORE_DS=store_ds,
-            **(split_k if for_dk else split_v), **flags)
+            q, k, v, do, scale, center, weight, dk, dv, *d_in, dummy if du_in is None else du_in, dS_0, dz_0, du_0,
+            g.cu_seqlens, FOR_DK=for_dk, INTRA=intra, UPDATE=update, STORE=store, HAS_FINAL_GRAD=has_final,
+            STORE_DS=store_ds, HAS_DU=du_in is not None, STORE_DU=store_du, **(split_k if for_dk else split_v),
+            **flags)
 
+    own_du = du_T if has_du else None  # the dv sweep runs v's own share
     if causal:
         sweep(True, True, True, True, has_final_grad, (dS_T, dz_T), want_d_initial)
-        sweep(False, True, True, True, has_final_grad, (dS_T, dz_T), False)
-    else:
-        sweep(True, False, True, False, has_final_grad, (dS_T, dz_T), True)
+        sweep(False, True, True, True, has_final_grad, (dS_T, dz_T), False, own_du, has_du and want_d_initial)
+    else:  # the first sweep also sums du over the whole sequence (it sees every value channel)
+        sweep(True, False, True, False, has_final_grad, (dS_T, dz_T), True, own_du, has_du)
         totals = (dS_0.clone(), dz_0.clone())
         sweep(True, False, False, True, True, totals, False)
-        sweep(False, False, False, True, True, totals, False)
+        sweep(False, False, False, True, True, totals, False, du_0.clone() if has_du else None)
 
-    if dv_extra is not None:
-        dv = dv + dv_extra.reshape(dv.shape)
-    grads = (dq, dk, dv.to(dtype))
     if not want_d_initial:
-        return grads, (None, None, None)
-    return grads, (dS_0, dz_0 if normalize != "none" else None, du_0)
+        return (dq, dk, dv), (None, None, None)
+    return (dq, dk, dv), (dS_0, dz_0 if normalize != "none" else None, du_0 if has_du else None)
 
 
 class _LinearAttention(torch.autograd.Function):
