@@ -44,31 +44,25 @@ def document_positions(total: int, cu_seqlens: torch.Tensor | None, device=None)
     return positions - starts[document_ids(total, cu_seqlens, device)]
 
 
-def document_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None, *, causal: bool, reverse: bool = False,
+def document_sums(x: torch.Tensor, cu_seqlens: torch.Tensor | None, *, causal: bool,
                   initial: torch.Tensor | None = None):
     """Per token of ``x [B, T, ...]``, the sum over its document (a row, or a ``cu_seqlens`` piece of the one row)
-    of the tokens up to it (causal), from it on (causal, ``reverse``) or all of them; and each document's total
-    ``[N, ...]``. ``initial [N, ...]`` is added to every sum and total of its document.
+    of the tokens up to it (causal) or of all of them; and each document's total ``[N, ...]``. ``initial [N, ...]``
+    is added to every sum and total of its document.
 
     Packed documents take differences of one running sum, in fp64 so that what precedes a document cancels
     closely enough for fp32 results (a plain cumsum has no segmented form).
     """
     if cu_seqlens is None:
         totals = x.sum(1)
-        if not causal:
-            sums = totals[:, None].expand_as(x)
-        else:
-            sums = x.flip(1).cumsum(1).flip(1) if reverse else x.cumsum(1)
+        sums = x.cumsum(1) if causal else totals[:, None].expand_as(x)
         per_token = None if initial is None else initial[:, None]
     else:
         cu = cu_seqlens.long().to(x.device)
         doc = document_ids(x.shape[1], cu, x.device)
         running = torch.cat([x.new_zeros(1, *x.shape[2:], dtype=torch.float64), x[0].double().cumsum(0)])
         before, after = running[cu[:-1]], running[cu[1:]]  # the running sum at each document's start and end
-        if not causal:
-            sums = (after - before)[doc]
-        else:
-            sums = after[doc] - running[:-1] if reverse else running[1:] - before[doc]
+        sums = running[1:] - before[doc] if causal else (after - before)[doc]
         sums, totals = sums.to(x.dtype)[None], (after - before).to(x.dtype)
         per_token = None if initial is None else initial[doc][None]
     if initial is None:
