@@ -17,7 +17,7 @@ class EfficientAttention(nn.Module):
 
     supports_causal: ClassVar[bool] = True
 
-    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 16):
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64):
         super().__init__()
         self.head_dim = check_heads(dim, num_heads)
         self.dim, self.num_heads, self.causal, self.chunk_size = dim, num_heads, causal, chunk_size

@@ -6,11 +6,12 @@ a per-channel prefix softmax over the keys.
 
 Stability of the causal form: every exponent is taken relative to the running log-normaliser
 ``LZ_t = logcumsumexp_{j≤t}(k_j)`` (per channel) — the online-softmax trick with the normaliser folded in — so
-every ``exp`` has a non-positive argument and no prefix collapses to 0/0, however the keys are spread.
+every true weight ``e^{k_j − LZ_t}`` is at most 1 and no prefix collapses to 0/0, however the keys are spread.
 The state carried between chunks is ``(Ŝ, L)``: ``Ŝ = Σ_j e^{k_j − L} v_jᵀ`` (d × dv) and ``L = LZ`` at the last token.
+Inside a chunk the weights factor into a C×C matmul (see ``SPREAD``), so all chunks run at once.
 """
 import torch
-from torch.utils.checkpoint import checkpoint
+import torch.nn.functional as F
 
 from .documents import document_mask, per_document
 from .precision import upcast
@@ -25,14 +26,13 @@ def efficient_attention(
     cu_seqlens: torch.Tensor | None = None,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 16,
+    chunk_size: int = 64,
     impl: str = "auto",
 ):
     """q, k ``[B, T, H, D]``, v ``[B, T, H, Dv]`` → o ``[B, T, H, Dv]`` (or ``(o, state)``).
 
     ``impl``: "naive" (the O(T²) definition), "chunk" (causal: chunks of ``chunk_size``; non-causal: the
-    published two-matmul form) or "auto" (= "chunk"). The causal chunk weighs every key channel separately,
-    C×C×D exponentials per chunk, so chunks are smaller than linear attention's (16 measured fastest on CPU). ``initial_state``/``output_final_state`` carry the causal
+    published two-matmul form) or "auto" (= "chunk"). ``initial_state``/``output_final_state`` carry the causal
     state ``(Ŝ [B,H,D,Dv], L [B,H,D])`` across calls, e.g. for token-by-token decoding.
     """
     if not (q.shape[:3] == k.shape[:3] == v.shape[:3] and q.shape[-1] == k.shape[-1]):
@@ -79,9 +79,17 @@ def _noncausal(q, k, v):
     return torch.einsum("bthc,bhcv->bthv", p, context).to(v.dtype)
 
 
+# Inside a chunk the weights factor, e^{k_j − LZ_t} = e^{k_j − r}·e^{r − LZ_t}, with one reference r per chunk and
+# channel midway between the chunk's largest key and its smallest normaliser: the chunk is then a C×C matmul, as
+# in linear attention. Each factor stays below e^{SPREAD/2}, so nothing overflows; what underflows weighs less than
+# e^{−40} in a row whose weights sum to 1. A chunk whose keys and normalisers spread wider in some channel (keys
+# ~80 apart within C tokens) takes the exact per-channel weights instead, C×C×D of them.
+SPREAD = 80.0
+
+
 def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
-    """Intra-chunk: explicit per-channel weights ``e^{k_j − LZ_t}``; inter-chunk: the state ``(Ŝ, L)``."""
-    batch, _, heads, dim = k.shape
+    """All chunks at once: the factored C×C weights inside each, the state ``(Ŝ, L)`` carried between them."""
+    batch, length, heads, dim = k.shape
     q32, k32, v32 = upcast(q, k, v)
     p = torch.softmax(q32, dim=-1)
     if initial_state is None:
@@ -90,26 +98,52 @@ def _causal_chunked(q, k, v, chunk_size, initial_state, output_final_state):
     else:
         state, log_norm = (s.to(k32.dtype) for s in initial_state)
     lz = torch.logaddexp(log_norm[:, None], torch.logcumsumexp(k32, dim=1))  # [B, T, H, D]
-    outputs = []
-    # split, not a slice per chunk: a slice's backward writes a whole [B, T, H, D] gradient, T/C times over
-    for pc, kc, vc, lzc in zip(*(x.split(chunk_size, dim=1) for x in (p, k32, v32, lz))):
-        intra = checkpoint(_within_chunk, pc, kc, vc, lzc, use_reentrant=False)
-        inter = torch.einsum("bthc,bhcv->bthv", pc * (log_norm[:, None] - lzc).exp(), state)
-        outputs.append(intra + inter)
-        new_log_norm = lzc[:, -1]
-        state = (log_norm - new_log_norm).exp()[..., None] * state + torch.einsum(
-            "bjhc,bjhv->bhcv", (kc - new_log_norm[:, None]).exp(), vc
-        )
-        log_norm = new_log_norm
-    o = torch.cat(outputs, dim=1).to(v.dtype)
-    return (o, (state, log_norm)) if output_final_state else o
+
+    count = -(-length // chunk_size)
+    last = torch.arange(count * chunk_size, device=k.device).clamp(max=length - 1)  # padding repeats the last token
+
+    def chunked(x, pad_with_last):
+        x = x[:, last] if pad_with_last else F.pad(x, (0, 0, 0, 0, 0, count * chunk_size - length))
+        return x.view(batch, count, chunk_size, heads, x.shape[-1])
+
+    P, V = chunked(p, False), chunked(v32, False)  # padding weighs nothing and adds nothing
+    K, LZ = chunked(k32, True), chunked(lz, True)
+    end = LZ[:, :, -1]  # [B, N, H, D]: the log-normaliser at each chunk's last token
+    before = torch.cat([log_norm[:, None], end[:, :-1]], dim=1)  # ... and just before its first
+
+    with torch.no_grad():  # the reference cancels from every weight: no gradient through it
+        top, bottom = K.amax(dim=2), LZ[:, :, 0]
+        reference = ((top + bottom) / 2)[:, :, None]
+        wide = (top - bottom > SPREAD).any(dim=-1)  # [B, N, H]
+    narrow = ~wide[:, :, None, :, None]
+    q_factor = P * torch.exp(torch.where(narrow, reference - LZ, 0.0))  # wide chunks: finite stand-ins, replaced below
+    k_factor = torch.exp(torch.where(narrow, K - reference, 0.0))
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device).tril()
+    mix = torch.einsum("bnthc,bnjhc->bnhtj", q_factor, k_factor) * causal
+    intra = torch.einsum("bnhtj,bnjhv->bnhtv", mix, V)
+    if wide.any():
+        b, n, h = wide.nonzero(as_tuple=True)
+        intra = intra.index_put((b, n, h), _exact_within_chunk(P[b, n, :, h], K[b, n, :, h], V[b, n, :, h],
+                                                              LZ[b, n, :, h]))
+
+    # the state before each chunk, Ŝ = Σ_{earlier j} e^{k_j − L} v_j with L its log-normaliser: a short recurrence
+    added = torch.einsum("bnjhc,bnjhv->bnhcv", torch.exp(K - end[:, :, None]), V)
+    decay = torch.exp(before - end)[..., None]
+    entering = []
+    for decay_n, added_n in zip(decay.unbind(1), added.unbind(1)):  # (indexing each would give every step's
+        entering.append(state)                                       # backward a whole-size gradient to fill)
+        state = decay_n * state + added_n
+    inter = torch.einsum("bnthc,bnhcv->bnhtv", P * torch.exp(before[:, :, None] - LZ), torch.stack(entering, 1))
+
+    o = (intra + inter).transpose(2, 3).reshape(batch, count * chunk_size, heads, -1)[:, :length].to(v.dtype)
+    return (o, (state, end[:, -1])) if output_final_state else o
 
 
-def _within_chunk(p, k, v, lz):
-    """``Σ_c p_tc Σ_{j≤t} e^{k_jc − LZ_tc} v_j`` inside one chunk. Its ``[B, C, C, H, D]`` weights are recomputed
-    in backward (checkpointed) rather than kept for every chunk, so autograd memory stays O(T·D)."""
+def _exact_within_chunk(p, k, v, lz):
+    """``Σ_c p_tc Σ_{j≤t} e^{k_jc − LZ_tc} v_j`` for chunks ``[M, C, ·]`` with one exponential per channel: every
+    exponent ≤ 0, however the keys spread."""
     size = k.shape[1]
-    below = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()[None, :, :, None, None]
-    exponent = (k[:, None] - lz[:, :, None]).masked_fill(~below, float("-inf"))  # [B, t, j, H, D], all ≤ 0
-    mix = torch.einsum("bthc,btjhc->bhtj", p, exponent.exp())
-    return torch.einsum("bhtj,bjhv->bthv", mix, v)
+    below = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()[None, :, :, None]
+    exponent = (k[:, None] - lz[:, :, None]).masked_fill(~below, float("-inf"))  # [M, t, j, D]
+    mix = torch.einsum("mtc,mtjc->mtj", p, exponent.exp())
+    return mix @ v

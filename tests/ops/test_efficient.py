@@ -63,6 +63,30 @@ def test_fp32_stays_finite_when_one_key_dwarfs_the_prefix():
     torch.testing.assert_close(fast, efficient_attention_naive(q, k, v).float(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["wide_chunk", "history_dominates", "ordinary"])
+def test_extreme_keys_equal_the_definition_with_gradients(monkeypatch, case):
+    """Inside a chunk the weights are factored into two exponentials; one channel of one head whose keys spread
+    ~100 within a chunk would overflow them, so that (batch, chunk, head) alone takes exact per-channel weights.
+    Keys far below an earlier chunk's make the factored in-chunk weights underflow, as the true ones do."""
+    from pretrain.ops import efficient
+
+    exact_slices = []
+    exact = efficient._exact_within_chunk
+    monkeypatch.setattr(efficient, "_exact_within_chunk", lambda p, *rest: exact_slices.append(p.shape[0]) or
+                        exact(p, *rest))
+    q, k, v = random_qkv(2, 45, 2, 4, 3, key_scale=2.0)
+    with torch.no_grad():
+        if case == "wide_chunk":
+            k[1, 20, 1, 2] += 100.0  # batch 1, chunk 1 (tokens 16-31), head 1, channel 2
+        elif case == "history_dominates":
+            k[:, :10] += 60.0
+    fast = outputs_and_grads(lambda q, k, v: efficient_attention(q, k, v, chunk_size=16), (q, k, v))
+    naive = outputs_and_grads(lambda q, k, v: efficient_attention_naive(q, k, v), (q, k, v))
+    for a, b in zip(fast, naive):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert exact_slices == ([1] if case == "wide_chunk" else [])
+
+
 def test_bf16_inputs_accumulate_in_fp32():
     q, k, v = (t.detach() for t in random_qkv(2, 33, 2, 8, 8))
     out = efficient_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=16)
