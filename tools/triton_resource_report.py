@@ -89,7 +89,7 @@ def main():
             forward = dict(split_v, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
                            STORE_O=True, HAS_INITIAL=False, STORE_FINAL=False)
             flags = dict(HAS_SCALE=scaled, HAS_CENTER=scaled)
-            dq = dict(split_k, INTRA=True, HAS_INITIAL=False, CENTER_FROM=kernels.CENTER_SOURCES[a.normalize], **flags)
+            dq = dict(split_k, INTRA=True, HAS_INITIAL=False, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], **flags)
             sweep = dict(INTRA=True, UPDATE=True, STORE=True, HAS_FINAL_GRAD=False, STORE_DS=False, STORE_DU=False,
                          **flags)
             dk = dict(split_k, FOR_DK=True, HAS_DU=False, **sweep)

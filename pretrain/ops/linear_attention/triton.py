@@ -33,7 +33,6 @@ from ..documents import document_sums
 from .state import FIELDS, LinearAttentionState, zero_state
 
 NORMALIZE_CODES = {"none": 0, "divisive": 1, "subtractive": 2}
-CENTER_SOURCES = {"none": 0, "divisive": 1, "subtractive": 2}  # the dq sweep computes c from o (1) or from u_t (2)
 
 
 @triton.jit
@@ -164,12 +163,12 @@ def _backward_dq_kernel(
     k, v, g, o, scale, center, dq, s_in, z_in, u_in, cu_seqlens,
     T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, CENTER_FROM: tl.constexpr,
+    INTRA: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_CENTER: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_INITIAL: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Forward sweep for a block of key channels (all value channels), S, z (and u) running over earlier chunks:
-    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]. CENTER_FROM 1: c = −g·o here (divisive); 2: c = −s·g·u_t
-    (subtractive); either is written for the dk sweep. 0: c is read, if there is one."""
+    dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]. c is computed here, and written for the dk sweep: −g·o when
+    NORMALIZE is divisive (1), −s·g·u_t when subtractive (2)."""
     i_k, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
@@ -191,31 +190,29 @@ def _backward_dq_kernel(
                      mask=mk[:, None] & mv[None, :], other=0.0)
         if HAS_CENTER:
             z += tl.load(z_in + i_nh * DK + ck, mask=mk, other=0.0)
-        if CENTER_FROM == 2:
+        if NORMALIZE == 2:
             u += tl.load(u_in + i_nh * DV + cv, mask=mv, other=0.0)
 
     for start in range(0, length, BT):
         mt = start + rows < length
         g_c = _load(g, length, DV, start, 0, H, BT, BV)
         dq_c = _mm(g_c, tl.trans(S.to(dtype)), None, PRECISION)
-        if CENTER_FROM == 1:
+        if NORMALIZE == 1:
             c_c = -tl.sum(g_c.to(tl.float32) * _load(o, length, DV, start, 0, H, BT, BV).to(tl.float32), 1)
-        elif CENTER_FROM == 2:  # c = −s·g·u_t, u_t = u + Σ_{j ≤ t in the chunk} v_j
+        elif NORMALIZE == 2:  # c = −s·g·u_t, u_t = u + Σ_{j ≤ t in the chunk} v_j
             g_u = tl.sum(g_c.to(tl.float32) * u[None, :], 1)
             if INTRA:  # the in-chunk part: the row sums of tril(g vᵀ), the score-gradient tile needed below
                 v_c = _load(v, length, DV, start, 0, H, BT, BV)
                 dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
                 g_u += tl.sum(tl.where(rows[:, None] >= rows[None, :], dA, 0.0), 1)
             c_c = -g_u * tl.load(scale + (start + rows) * H, mask=mt, other=0.0)
-        elif HAS_CENTER:
-            c_c = tl.load(center + (start + rows) * H, mask=mt, other=0.0)
-        if CENTER_FROM > 0:
+        if NORMALIZE > 0:
             tl.store(center + (start + rows) * H, c_c, mask=mt & (tl.zeros([BT], tl.int32) + i_k == 0))
         if HAS_CENTER:
             dq_c += c_c[:, None] * z[None, :]
         if INTRA:
             k_c = _load(k, length, DK, start, i_k * BK, H, BT, BK)
-            if CENTER_FROM != 2:  # (loaded after c: the compiler schedules the other forms better so)
+            if NORMALIZE != 2:  # (loaded after c: the compiler schedules the other forms better so)
                 v_c = _load(v, length, DV, start, 0, H, BT, BV)
                 dA = _mm(g_c, tl.trans(v_c), None, PRECISION)
             if HAS_CENTER:
@@ -229,7 +226,7 @@ def _backward_dq_kernel(
             S = _mm(tl.trans(k_c), v_c, S, PRECISION)
             if HAS_CENTER:
                 z += tl.sum(k_c.to(tl.float32), 0)
-            if CENTER_FROM == 2:
+            if NORMALIZE == 2:
                 u += tl.sum(v_c.to(tl.float32), 0)
 
 
@@ -441,7 +438,7 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     dq = torch.empty_like(q)
     _backward_dq_kernel[(g.NK, g.N * g.H)](
         k, v, do, o, scale, center, dq, *(states[:3] if states is not None else (dummy,) * 3), g.cu_seqlens,
-        INTRA=causal, CENTER_FROM=CENTER_SOURCES[normalize],
+        INTRA=causal, NORMALIZE=NORMALIZE_CODES[normalize],
         HAS_INITIAL=states is not None, **split_k, **flags)
 
     # dk, dv: reverse sweeps over dS = Σ_later (s q)ᵀ dO (for non-causal, first summed over the whole sequence)
