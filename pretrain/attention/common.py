@@ -1,4 +1,4 @@
-"""Small pieces every linear-time mixer shares: head reshapes, packed-document positions, projection FLOPs."""
+"""Small pieces the mixers share: the head split, packed-document positions, projection FLOPs."""
 import torch
 
 from ..ops.documents import document_positions
@@ -10,16 +10,6 @@ def split_heads(x: torch.Tensor, num_heads: int, *, packed: bool) -> torch.Tenso
     if packed:
         return x.reshape(1, batch * seq_len, num_heads, dim // num_heads)
     return x.reshape(batch, seq_len, num_heads, dim // num_heads)
-
-
-def project_heads(x: torch.Tensor, projections, num_heads: int, *, packed: bool) -> tuple[torch.Tensor, ...]:
-    """Each projection of ``x``, split into heads (see ``split_heads``)."""
-    return tuple(split_heads(proj(x), num_heads, packed=packed) for proj in projections)
-
-
-def merge_heads(o: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """The inverse of ``split_heads``: back to ``[B, T, H·D]``."""
-    return o.reshape(batch, seq_len, -1)
 
 
 def token_positions(batch: int, seq_len: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:

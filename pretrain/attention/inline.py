@@ -7,8 +7,6 @@ REFERENCE §4: ``φ`` = identity with ``q`` scaled by ``d^{-1/2}``, ``o_t = q_t�
 - causal LM: a static causal depthwise 1-D convolution of ``conv_size`` taps (a dynamic kernel would see the
   future), which stops at document starts.
 """
-from typing import ClassVar
-
 import math
 
 import torch
@@ -16,23 +14,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear_attention import linear_attention
-from .common import check_heads, merge_heads, project_heads, projection_flops, token_positions
+from .base import Mixer
+from .common import token_positions
 from .registry import register
+from .sequence_parallel import from_previous_rank, linear_attention_entering
 
 
 @register("inline")
-class InLineAttention(nn.Module):
-    supports_causal: ClassVar[bool] = True
+class InLineAttention(Mixer):
+    """On a sequence slice, the state of the earlier slices enters each row's first document, and the causal
+    convolution reads the previous slice's last ``conv_size − 1`` values (its halo)."""
+
+    supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, local: bool = True, conv_size: int = 4,
-                 chunk_size: int = 64, impl: str = "auto"):
-        super().__init__()
-        self.head_dim = check_heads(dim, num_heads)
+                 chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
         if conv_size < 1:
             raise ValueError(f"conv_size must be ≥ 1; got {conv_size}")
-        self.dim, self.num_heads, self.causal, self.local = dim, num_heads, causal, local
-        self.conv_size, self.chunk_size, self.impl = conv_size, chunk_size, impl
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.local, self.conv_size, self.chunk_size, self.impl = local, conv_size, chunk_size, impl
         if local and causal:  # taps[:, i] weighs v_{t−i}; the default init of a depthwise nn.Conv1d
             bound = 1 / math.sqrt(conv_size)
             self.taps = nn.Parameter(torch.empty(dim, conv_size).uniform_(-bound, bound))
@@ -40,21 +40,34 @@ class InLineAttention(nn.Module):
             self.kernel_net = nn.Sequential(nn.Conv1d(dim, dim, 1, groups=num_heads), nn.GELU(),
                                             nn.Conv1d(dim, 9 * dim, 1, groups=num_heads))
 
+    @property
+    def halo(self) -> int:
+        """How many tokens before a slice its causal convolution reads."""
+        return self.conv_size - 1 if self.local and self.causal else 0
+
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         """``hw=(H, W)``: the image grid of the tokens, needed by the non-causal local branch."""
         batch, seq_len, _ = x.shape
-        packed = cu_seqlens is not None
-        q, k, v = self._qkv(x, packed=packed)
-        o = merge_heads(linear_attention(q, k, v, causal=self.causal, normalize="subtractive", cu_seqlens=cu_seqlens,
-                                         chunk_size=self.chunk_size, impl=self.impl), batch, seq_len)
+        q, k, v = self._scaled_qkv(x, packed=cu_seqlens is not None)
+        initial, before = None, None
+        if self.sequence is not None:
+            if seq_len < self.halo:
+                raise ValueError(f"inline: a sequence slice of {seq_len} tokens is shorter than the convolution's "
+                                 f"reach ({self.halo} tokens); use fewer sequence ranks or a smaller conv_size")
+            values = v.reshape(batch, seq_len, self.dim)
+            initial, (halos,) = linear_attention_entering(k, v, position_ids, self.sequence, "subtractive",
+                                                          cu_seqlens.numel() - 1,
+                                                          shared=[values[:, seq_len - self.halo:]])
+            before = from_previous_rank(halos, self.sequence)
+        o = linear_attention(q, k, v, causal=self.causal, normalize="subtractive", cu_seqlens=cu_seqlens,
+                             initial_state=initial, chunk_size=self.chunk_size, impl=self.impl)
+        o = o.reshape(batch, seq_len, self.dim)
         if self.local and self.causal:
             # the model's position_ids already say where documents start; deriving them from cu_seqlens would
             # need ops with data-dependent shapes, a graph break under torch.compile
             if position_ids is None:
                 position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
-            positions = position_ids
-            flat = (1, batch * seq_len, self.dim) if packed else (batch, seq_len, self.dim)
-            o = o + self._causal_conv(v.reshape(flat), positions.reshape(flat[:2])).view_as(o)
+            o = o + self._causal_conv(v.reshape(batch, seq_len, self.dim), position_ids, before)
         elif self.local:
             if hw is None or cu_seqlens is not None:
                 raise ValueError("the non-causal inline mixer convolves the image grid: pass hw=(H, W) and no "
@@ -62,39 +75,34 @@ class InLineAttention(nn.Module):
             o = o + self._dynamic_conv2d(x, v.reshape(batch, seq_len, self.dim), hw)
         return self.o_proj(o)
 
-    def step(self, x_t, state=None):
-        """One token ``[B, C]`` → ``(y_t, state)``; the state is the attention state and the last ``conv_size − 1``
-        values, oldest first (None at the start)."""
-        y, state = self._with_state(x_t[:, None], state, impl="recurrent")
-        return y[:, 0], state
-
-    def prefill(self, x):
-        """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
-        return self._with_state(x, None, impl=self.impl)
-
-    def _with_state(self, x, state, *, impl):
+    def forward_with_state(self, x, state):
+        """The state is the attention state and the last ``conv_size − 1`` values, oldest first."""
         batch, seq_len, _ = x.shape
-        attn_state, recent = state if state is not None else (None, x.new_zeros(batch, self.conv_size - 1, self.dim))
-        q, k, v = self._qkv(x, packed=False)
+        attn_state, recent = state if state is not None else (None, x.new_zeros(batch, self.halo, self.dim))
+        q, k, v = self._scaled_qkv(x)
+        impl = "recurrent" if seq_len == 1 else self.impl
         o, attn_state = linear_attention(q, k, v, causal=True, normalize="subtractive", initial_state=attn_state,
                                          output_final_state=True, chunk_size=self.chunk_size, impl=impl)
-        o = merge_heads(o, batch, seq_len)
+        o = o.reshape(batch, seq_len, self.dim)
         if self.local:  # the taps reach back into the values before this piece (zeros before the first token)
-            values = torch.cat([recent, v.reshape(batch, seq_len, self.dim)], dim=1)
-            o = o + self._causal_conv(values)[:, -seq_len:]
-            recent = values[:, values.shape[1] - recent.shape[1]:]
+            values = v.reshape(batch, seq_len, self.dim)
+            o = o + self._causal_conv(values, None, recent)
+            recent = torch.cat([recent, values], dim=1)[:, seq_len:]
         return self.o_proj(o), (attn_state, recent)
 
-    def _qkv(self, x, *, packed):
-        q, k, v = project_heads(x, (self.q_proj, self.k_proj, self.v_proj), self.num_heads, packed=packed)
+    def _scaled_qkv(self, x, *, packed=False):
+        q, k, v = self.qkv(x, packed=packed)
         return q * self.head_dim ** -0.5, k, v
 
-    def _causal_conv(self, v, positions=None):
-        """``Σ_i taps[:, i] · v_{t−i}`` over taps that stay inside the token's document (``positions``: each token's
-        position in its document; None: the row is one document)."""
+    def _causal_conv(self, v, positions=None, before=None):
+        """``Σ_i taps[:, i] · v_{t−i}`` over ``v [B, T, C]``, reaching into ``before [B, conv_size − 1, C]`` (the
+        values just before these, oldest first; zeros when None) for taps that stay inside the token's document
+        (``positions [B, T]``: each token's position in its document; None: the row continues one document)."""
+        seq_len, reach = v.shape[1], self.conv_size - 1
+        values = torch.cat([v.new_zeros(v.shape[0], reach, v.shape[2]) if before is None else before, v], dim=1)
         out = v * self.taps[:, 0]
         for i in range(1, self.conv_size):
-            earlier = F.pad(v, (0, 0, i, 0))[:, : v.shape[1]] * self.taps[:, i]
+            earlier = values[:, reach - i: reach - i + seq_len] * self.taps[:, i]
             out = out + (earlier if positions is None else earlier * (positions >= i)[..., None])
         return out
 
@@ -114,4 +122,4 @@ class InLineAttention(nn.Module):
         local = 0.0
         if self.local:
             local = 2 * self.conv_size * self.dim if self.causal else 2 * 9 * self.dim
-        return projection_flops(self.dim, 4) + 2 * 2 * self.dim * self.head_dim + local
+        return self.projection_flops() + 2 * 2 * self.dim * self.head_dim + local

@@ -1,15 +1,20 @@
-"""``softmax``: multi-head softmax attention, the baseline mixer: with 1-D RoPE in the LM, without on an image grid."""
-from typing import ClassVar
+"""``softmax``: multi-head softmax attention, the baseline mixer: with 1-D RoPE in the LM, without on an image grid.
 
+On a sequence slice it runs DeepSpeed Ulysses (``deepspeed.sequence.layer.DistributedAttention``): an all-to-all
+trades the slice of every head for the whole sequence of ``num_heads / N`` heads, attention runs there with the
+whole rows' document boundaries, and a second all-to-all trades back.
+"""
 import torch
 from torch import nn
 
-from ..ops import apply_rope, softmax_attention
+from ..ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention
+from ..parallel import gather_positions
+from .base import Mixer
 from .registry import register
 
 
 @register("softmax")
-class SoftmaxAttention(nn.Module):
+class SoftmaxAttention(Mixer):
     """q/k/v/o projections around ``pretrain.ops.softmax_attention``; RoPE on q and k from ``position_ids``.
 
     On an image grid (``hw=(H, W)`` given to ``forward``) there is no RoPE: a 1-D rotation of the row-major tokens
@@ -19,18 +24,14 @@ class SoftmaxAttention(nn.Module):
     ``qk_norm`` RMS-normalizes q and k per head before RoPE, which keeps attention logits bounded in large models.
     """
 
-    supports_causal: ClassVar[bool] = True
+    supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, rope_theta: float = 10000.0,
-                 qk_norm: bool = False):
-        super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+                 qk_norm: bool = False, qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension; dim {dim} / num_heads {num_heads} = {self.head_dim}")
-        self.causal, self.rope_theta = causal, rope_theta
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.rope_theta = rope_theta
         self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
 
@@ -40,10 +41,29 @@ class SoftmaxAttention(nn.Module):
         if hw is None and position_ids is None:
             position_ids = torch.arange(seq_len, device=x.device).expand(batch, seq_len)
         q, k, v = self._qkv(x, None if hw is not None else position_ids)
-        if cu_seqlens is not None:  # packed documents: one row of B*T tokens
-            q, k, v = (t.reshape(1, batch * seq_len, self.num_heads, self.head_dim) for t in (q, k, v))
-        out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
+        if self.sequence is not None:
+            out = self._across_ranks(q, k, v, position_ids)
+        else:
+            if cu_seqlens is not None:  # packed documents: one row of B*T tokens
+                q, k, v = (t.reshape(1, batch * seq_len, self.num_heads, self.head_dim) for t in (q, k, v))
+            out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seq_len, self.dim))
+
+    def _across_ranks(self, q, k, v, position_ids):
+        """Ulysses: ``[B, T/N, H, D]`` slices in and out, attention over whole rows of ``H/N`` heads between."""
+        from deepspeed.sequence.layer import DistributedAttention
+
+        shard = self.sequence
+        if self.num_heads % shard.size:
+            raise ValueError(f"softmax: {self.num_heads} heads do not split over {shard.size} sequence ranks")
+        whole = cu_seqlens_from_position_ids(gather_positions(position_ids, shard))
+
+        def attend(q, k, v):  # [B, T, H/N, D], whole rows
+            packed = (1, q.shape[0] * q.shape[1], *q.shape[2:])
+            out = softmax_attention(*(t.reshape(packed) for t in (q, k, v)), causal=self.causal, cu_seqlens=whole)
+            return out.reshape(q.shape)
+
+        return DistributedAttention(attend, shard.group, scatter_idx=2, gather_idx=1)(q, k, v, 0)
 
     def step(self, x_t, state=None):
         """One token ``[B, C]`` → ``(y_t, state)``; the state is a KV cache: ``(keys, values, position)``.

@@ -44,3 +44,20 @@ def check_state(state, num: int, heads: int, dk: int, dv: int, normalize: str, w
         if not got.is_floating_point():
             raise ValueError(f"{what}.{field} must be floating point; got {got.dtype}")
     return state
+
+
+def state_of_tokens(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, normalize: str) -> LinearAttentionState:
+    """The state ``[B, H, ...]`` that the tokens of ``k [B, T, H, D]``, ``v [B, T, H, Dv]`` where ``mask [B, T]``
+    leave behind, starting from zero: what a slice hands on to the next one (fp32, fp64 for fp64 inputs)."""
+    wide = torch.promote_types(k.dtype, torch.float32)
+    k, v = k.to(wide), v.to(wide)
+    weight = mask.to(wide)[:, :, None, None]
+    kept = k * weight
+    fields = {"S": lambda: torch.einsum("bthk,bthv->bhkv", kept, v), "z": lambda: kept.sum(1),
+              "u": lambda: (v * weight).sum(1), "n": lambda: weight[..., 0].sum(1).expand(k.shape[0], k.shape[2])}
+    return LinearAttentionState(**{field: fields[field]() for field in FIELDS[normalize]})
+
+
+def combine_states(earlier: LinearAttentionState, later: LinearAttentionState) -> LinearAttentionState:
+    """The state after ``earlier``'s tokens and then ``later``'s: every field is a sum over tokens."""
+    return LinearAttentionState(*(None if a is None else a + b for a, b in zip(earlier, later)))

@@ -1,0 +1,55 @@
+"""The mixers' sequence-parallel forms: how each op's recurrent state crosses from one rank's slice to the next.
+
+A mixer on a slice computes the state its slice hands on (its op's ``state of tokens``, from zero), and
+``entering_states`` returns, per document of the packed slice, the state it starts from: the fold of the earlier
+ranks' states (the op's combine rule) for each row's first document where it continues, the op's empty state for
+every other document. ``pretrain.parallel`` holds the collectives; each op module holds its state and combine rule.
+"""
+from collections.abc import Sequence
+
+import torch
+
+from ..ops.linear_attention.state import LinearAttentionState, combine_states, state_of_tokens
+from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
+from ..parallel.sequence import Combine, SliceLayout
+
+
+def entering_states(handed_on: Sequence[torch.Tensor], layout: SliceLayout, shard: SequenceShard, combine: Combine,
+                    empty: Sequence[float], num_docs: int, *, shared: Sequence[torch.Tensor] = ()
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``([N, ...] per state field, one row per packed document; [size, ...] per shared tensor)``.
+
+    ``empty`` is each field's value before any token (0 for sums, −∞ for running maxima and log-normalizers).
+    """
+    entering, shared = exchange_with_earlier_ranks(handed_on, layout, shard, combine, shared=shared)
+    per_document = []
+    for field, fill in zip(entering, empty):
+        continues = layout.continues.view(-1, *([1] * (field.dim() - 1)))
+        first = torch.where(continues, field, torch.full_like(field, fill))
+        per_document.append(field.new_full((num_docs, *field.shape[1:]), fill).index_copy(0, layout.first_doc, first))
+    return per_document, shared
+
+
+def from_previous_rank(gathered: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Rank r−1's copy of a shared tensor (rank 0 gets its own, which its masks never read: its rows start
+    documents)."""
+    return gathered[max(shard.rank - 1, 0)]
+
+
+def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard,
+                              normalize: str, num_docs: int, *, shared: Sequence[torch.Tensor] = ()
+                              ) -> tuple[LinearAttentionState, list[torch.Tensor]]:
+    """For linear attention on a slice (``k``, ``v`` packed ``[1, B·T, H, D]``, ``position_ids [B, T]``): the
+    initial state of each packed document, and the gathered ``shared`` tensors."""
+    layout = slice_layout(position_ids)
+    rows = position_ids.shape
+    handed_on = state_of_tokens(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), layout.tail,
+                                normalize)
+    fields = [field for field in handed_on if field is not None]
+
+    def combine(earlier, later):
+        return [field for field in combine_states(LinearAttentionState(*earlier), LinearAttentionState(*later))
+                if field is not None]
+
+    initial, shared = entering_states(fields, layout, shard, combine, [0.0] * len(fields), num_docs, shared=shared)
+    return LinearAttentionState(*initial), shared
