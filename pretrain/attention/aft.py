@@ -10,32 +10,26 @@ constant-size state — the prefix sums ``(Σ e^{K−m} V, Σ e^{K−m}, m)`` pl
 keys and values. ``aft_full``'s bias pairs every two positions, so its state is the keys and values so far,
 bounded by ``max_seq_len``.
 """
-from typing import ClassVar
-
 import torch
 from torch import nn
 
 from ..ops import aft_conv2d, aft_full, aft_local, aft_simple
-from .common import projection_flops
+from .base import Mixer
 from .registry import register
 
 
-class _AFTBase(nn.Module):
+class _AFTBase(Mixer):
     """Projections around an AFT op; subclasses define ``mix(q, k, v, cu_seqlens, hw)`` on ``[B, T, C]``."""
 
-    def __init__(self, dim: int, num_heads: int, causal: bool):
-        super().__init__()
-        self.dim, self.num_heads, self.causal = dim, num_heads, causal
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+    def __init__(self, dim: int, num_heads: int, causal: bool, qkv_bias: bool, o_bias: bool):
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, heads=False)
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         return self._mixed(x, cu_seqlens, hw)[0]
 
     def _mixed(self, x, cu_seqlens, hw):
         """The output, and the keys and values it came from (a decoding state is made of them)."""
-        batch, seq_len, _ = x.shape
-        flat = (1, batch * seq_len, self.dim) if cu_seqlens is not None else x.shape
-        q, k, v = (proj(x).reshape(flat) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = self.qkv(x, packed=cu_seqlens is not None, heads=False)
         return self.o_proj(self.mix(q, k, v, cu_seqlens, hw).reshape(x.shape)), k, v
 
     def _qkv_step(self, x_t):
@@ -48,10 +42,9 @@ class AFTFull(_AFTBase):
     ``w = U U'ᵀ`` (U, U' of ``[max_seq_len, factor_dim]``). Longer sequences are refused: there is no bias for them.
     """
 
-    supports_causal: ClassVar[bool] = True
-
-    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, max_seq_len: int = 1024, factor_dim: int = 0):
-        super().__init__(dim, num_heads, causal)
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, max_seq_len: int = 1024, factor_dim: int = 0,
+                 qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
         self.max_seq_len = max_seq_len
         if factor_dim > 0:
             self.bias_left = nn.Parameter(torch.randn(max_seq_len, factor_dim) * 0.02)
@@ -85,17 +78,16 @@ class AFTFull(_AFTBase):
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and the two bias matmuls (numerator, denominator) over ``seq_len`` (½ when causal)."""
         keys = seq_len / 2 if self.causal else seq_len
-        return projection_flops(self.dim, 4) + 2 * 2 * keys * self.dim
+        return self.projection_flops() + 2 * 2 * keys * self.dim
 
 
 @register("aft_local")
 class AFTLocal(_AFTBase):
     """A relative bias inside ``window`` tokens, 0 outside (distant tokens still count through e^K)."""
 
-    supports_causal: ClassVar[bool] = True
-
-    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, window: int = 64, chunk_size: int = 64):
-        super().__init__(dim, num_heads, causal)
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, window: int = 64, chunk_size: int = 64,
+                 qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
         if window < 1:
             raise ValueError(f"aft_local: window must be ≥ 1; got {window}")
         self.window, self.chunk_size = window, chunk_size
@@ -116,17 +108,16 @@ class AFTLocal(_AFTBase):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections, the prefix sums and the band of ``window`` (``2·window − 1`` non-causal) offsets."""
-        return projection_flops(self.dim, 4) + 2 * 2 * (self.rel_bias.numel() + 1) * self.dim
+        return self.projection_flops() + 2 * 2 * (self.rel_bias.numel() + 1) * self.dim
 
 
 @register("aft_simple")
 class AFTSimple(_AFTBase):
     """No position bias: a (prefix) softmax over positions per channel."""
 
-    supports_causal: ClassVar[bool] = True
-
-    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64):
-        super().__init__(dim, num_heads, causal)
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64,
+                 qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
         self.chunk_size = chunk_size
 
     def mix(self, q, k, v, cu_seqlens, hw):
@@ -143,22 +134,23 @@ class AFTSimple(_AFTBase):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and the prefix sums."""
-        return projection_flops(self.dim, 4) + 2 * 2 * self.dim
+        return self.projection_flops() + 2 * 2 * self.dim
 
 
 @register("aft_conv")
 class AFTConv(_AFTBase):
     """Vision: per-head ``kernel_size``² relative biases on the image grid ``hw=(H, W)`` (a forward keyword)."""
 
-    supports_causal: ClassVar[bool] = False
+    supports_causal = False
 
-    def __init__(self, dim: int, num_heads: int, *, causal: bool = False, kernel_size: int = 7):
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = False, kernel_size: int = 7,
+                 qkv_bias: bool = False, o_bias: bool = False):
         if causal:
             raise ValueError("aft_conv has no causal form (its kernel sees both sides); use it non-causally")
         if dim % num_heads or kernel_size % 2 == 0:
             raise ValueError(f"aft_conv: dim {dim} must split into num_heads {num_heads}; kernel_size "
                              f"{kernel_size} must be odd")
-        super().__init__(dim, num_heads, causal)
+        super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
         self.kernel_size = kernel_size
         self.pos_bias = nn.Parameter(torch.zeros(num_heads, kernel_size, kernel_size))
 
@@ -169,7 +161,7 @@ class AFTConv(_AFTBase):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections, two depthwise convolutions and the global sums."""
-        return projection_flops(self.dim, 4) + 2 * 2 * (self.kernel_size ** 2 + 1) * self.dim
+        return self.projection_flops() + 2 * 2 * (self.kernel_size ** 2 + 1) * self.dim
 
 
 def _prefix_state(k, v, *, recent):
