@@ -97,6 +97,13 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # ranks that split one sequence (task lm): each holds train.seq_len / N contiguous tokens of every row; the
+    # world is world_size / N data-parallel replicas of N consecutive ranks (docs/SEQUENCE_PARALLEL.md)
+    sequence_parallel: int = 1
+
+
+@dataclass
 class LogConfig:
     every: int = 10  # steps between training-metric logs
     val_every: int = 200  # steps between validations
@@ -143,6 +150,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
@@ -265,7 +273,7 @@ def _validate(cfg: DictConfig) -> None:
         require(cfg, "model.layer_pattern",
                  not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
                  f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
-        _validate_mixers(model, cfg.train.seq_len)
+        _validate_mixers(model, cfg.train.seq_len, cfg.parallel.sequence_parallel)
 
     require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")
     require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
@@ -275,6 +283,12 @@ def _validate(cfg: DictConfig) -> None:
     if sched.name == "wsd":
         require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - sched.warmup_steps,
                  "wsd needs 0 < decay_steps <= train.max_steps - schedule.warmup_steps")
+
+    sp = cfg.parallel.sequence_parallel
+    require(cfg, "parallel.sequence_parallel", sp >= 1, "must be >= 1")
+    require(cfg, "parallel.sequence_parallel", sp == 1 or cfg.task == "lm", "splits LM rows; task vision has none")
+    require(cfg, "parallel.sequence_parallel", cfg.train.seq_len % sp == 0,
+            f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
 
     ds = cfg.deepspeed
     require(cfg, "deepspeed.zero_stage", 0 <= ds.zero_stage <= 3, "must be 0, 1, 2 or 3")
@@ -315,7 +329,7 @@ def validate_mixer_options(model: DictConfig, *, stages: int | None = None) -> N
                                        f"{default!r}")
 
 
-def _validate_mixers(model: DictConfig, seq_len: int) -> None:
+def _validate_mixers(model: DictConfig, seq_len: int, sequence_parallel: int) -> None:
     """Every mixer the LM names is registered and causal and builds with its options (on the meta device); a mixer
     with a longest sequence (``max_seq_len``, e.g. aft_full's position bias) covers ``train.seq_len``."""
     import torch
@@ -337,6 +351,12 @@ def _validate_mixers(model: DictConfig, seq_len: int) -> None:
                 mixer = build_mixer(name, model.dim, model.n_heads, causal=True, options=mixer_kwargs(model, name))
         except (ValueError, TypeError) as err:
             raise ConfigError(f"model.mixer_options.{name}", f"mixer {name!r} cannot be built: {err}") from None
+        if sequence_parallel > 1:
+            try:
+                mixer.check_sequence_parallel(sequence_parallel, seq_len // sequence_parallel)
+            except ValueError as err:
+                raise ConfigError("parallel.sequence_parallel", f"mixer {name!r} cannot split rows into "
+                                  f"{sequence_parallel} slices: {err}") from None
         longest = getattr(mixer, "max_seq_len", None)
         if longest is not None and seq_len > longest:
             raise ConfigError(f"model.mixer_options.{name}.max_seq_len",

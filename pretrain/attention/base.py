@@ -52,6 +52,11 @@ class Mixer(nn.Module):
         """``x [B, T, C]`` continuing from ``state`` (None: from the start) → ``(y, state after x)``."""
         raise NotImplementedError(f"{type(self).__name__} has no decoding state")
 
+    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
+        """Refuse, saying why, rows split into ``size`` slices of ``slice_len`` tokens that this mixer cannot run on."""
+        if not self.supports_sequence_parallel:
+            raise ValueError(f"{type(self).__name__} has no sequence-parallel form")
+
     def projection_flops(self) -> float:
         """Forward FLOPs per token of the four projections."""
         return projection_flops(self.dim, 4)

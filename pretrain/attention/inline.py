@@ -45,15 +45,18 @@ class InLineAttention(Mixer):
         """How many tokens before a slice its causal convolution reads."""
         return self.conv_size - 1 if self.local and self.causal else 0
 
+    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
+        if slice_len < self.halo:
+            raise ValueError(f"a slice of {slice_len} tokens is shorter than the causal convolution's reach "
+                             f"({self.halo} tokens): use fewer sequence ranks or a smaller conv_size")
+
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         """``hw=(H, W)``: the image grid of the tokens, needed by the non-causal local branch."""
         batch, seq_len, _ = x.shape
         q, k, v = self._scaled_qkv(x, packed=cu_seqlens is not None)
         initial, before = None, None
         if self.sequence is not None:
-            if seq_len < self.halo:
-                raise ValueError(f"inline: a sequence slice of {seq_len} tokens is shorter than the convolution's "
-                                 f"reach ({self.halo} tokens); use fewer sequence ranks or a smaller conv_size")
+            self.check_sequence_parallel(self.sequence.size, seq_len)
             values = v.reshape(batch, seq_len, self.dim)
             initial, (halos,) = linear_attention_entering(k, v, position_ids, self.sequence, "subtractive",
                                                           cu_seqlens.numel() - 1,

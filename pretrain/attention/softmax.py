@@ -49,13 +49,15 @@ class SoftmaxAttention(Mixer):
             out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
         return self.o_proj(out.reshape(batch, seq_len, self.dim))
 
+    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
+        if self.num_heads % size:
+            raise ValueError(f"Ulysses splits the {self.num_heads} heads over {size} sequence ranks: they must divide")
+
     def _across_ranks(self, q, k, v, position_ids):
         """Ulysses: ``[B, T/N, H, D]`` slices in and out, attention over whole rows of ``H/N`` heads between."""
         from deepspeed.sequence.layer import DistributedAttention
 
         shard = self.sequence
-        if self.num_heads % shard.size:
-            raise ValueError(f"softmax: {self.num_heads} heads do not split over {shard.size} sequence ranks")
         whole = cu_seqlens_from_position_ids(gather_positions(position_ids, shard))
 
         def attend(q, k, v):  # [B, T, H/N, D], whole rows
