@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.parallel import SequenceShard
+
 
 @dataclass(frozen=True)
 class World:
@@ -12,10 +14,20 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
+    sequence: SequenceShard | None = None  # this rank's slice of every row, under sequence parallelism
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which data-parallel replica this rank belongs to: the ranks sharing a sequence read the same rows."""
+        return self.rank if self.sequence is None else self.rank // self.sequence.size
+
+    @property
+    def data_size(self) -> int:
+        return self.world_size if self.sequence is None else self.world_size // self.sequence.size
 
 
 def _free_port() -> int:

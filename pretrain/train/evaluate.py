@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain.parallel import SequenceShard, shard_rows
+
 IGNORE = -100
 POSITION_BUCKETS = 48  # bucket b ≥ 1 holds document positions 2^(b−1) … 2^b − 1; bucket 0 the first token
 
@@ -88,12 +90,16 @@ def empty_batch(batch_size: int, seq_len: int) -> dict[str, torch.Tensor]:
 
 
 def batch_nll(model: Callable, batch: dict[str, torch.Tensor], device: torch.device,
-              by_position: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+              by_position: torch.Tensor | None = None, sequence: SequenceShard | None = None
+              ) -> tuple[torch.Tensor, int]:
     """Summed negative log-likelihood (fp32) of the batch's scored targets, and how many there are.
 
     With ``by_position`` (``[POSITION_BUCKETS, 2]`` float64, no autograd), each scored token's NLL and a count of 1
-    are also added to the bucket of its ``target_positions``.
+    are also added to the bucket of its ``target_positions``. With ``sequence``, only this rank's slice of the rows
+    is scored (the ranks of the group together score the whole batch).
     """
+    if sequence is not None:
+        batch = shard_rows(batch, sequence)
     labels = batch["labels"].to(device)
     input_ids, position_ids = batch["input_ids"].to(device), batch["position_ids"].to(device)
     scored = labels != IGNORE
@@ -122,11 +128,12 @@ class Scores(NamedTuple):
 @torch.no_grad()
 def score_documents(model: Callable, documents: Iterable[np.ndarray], *, seq_len: int, stride: int, batch_size: int,
                     eos_id: int, device: torch.device, max_batches: int | None = None, progress=None,
-                    by_position: bool = False) -> Scores:
+                    by_position: bool = False, sequence: SequenceShard | None = None) -> Scores:
     """Total NLL and scored-token count over ``documents`` (at most ``max_batches`` batches of this rank's).
 
     Under a process group every rank passes its own share of documents and gets the totals over all ranks; ranks
-    with fewer batches run empty ones, since a ZeRO-3 forward is a collective call.
+    with fewer batches run empty ones, since a ZeRO-3 forward is a collective call. With ``sequence``, the ranks of
+    a sequence-parallel group pass the same documents and each scores its slice of every row.
     """
     local = islice(batches(packed_rows(documents, seq_len=seq_len, stride=stride, eos_id=eos_id), batch_size),
                    max_batches)
@@ -141,7 +148,7 @@ def score_documents(model: Callable, documents: Iterable[np.ndarray], *, seq_len
         if not more:
             break
         batch = batch if batch is not None else empty_batch(batch_size, seq_len)
-        nll, scored = batch_nll(model, batch, device, buckets)
+        nll, scored = batch_nll(model, batch, device, buckets, sequence)
         totals += torch.stack([nll.double(), torch.tensor(scored, dtype=torch.float64, device=device)])
         if progress is not None:
             progress.update(scored)
