@@ -11,7 +11,7 @@ from pretrain.config import ConfigError
 from pretrain.data import TokenLoader, Tokenizer
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import read_shard_documents
-from pretrain.train.evaluate import batch_nll, score_documents
+from pretrain.train.evaluate import IGNORE, batch_nll, score_documents
 
 from . import build_model
 
@@ -27,7 +27,7 @@ class LMTask:
             raise ConfigError("data.tokenizer", str(err)) from None
         try:  # a missing, foreign or too small set of shards (ShardError is a ValueError)
             self.loader = TokenLoader(cfg.data.train_shards, seq_len=t.seq_len, batch_size=t.micro_batch_size,
-                                      rank=world.rank, world_size=world.world_size, seed=cfg.run.seed,
+                                      rank=world.data_rank, world_size=world.data_size, seed=cfg.run.seed,
                                       num_workers=cfg.data.num_workers, shuffle_buffer=cfg.data.shuffle_buffer,
                                       allow_pipe=cfg.data.allow_pipe, skip_corrupt=cfg.data.skip_corrupt,
                                       tokenizer_sha256=self.tokenizer.sha256)
@@ -38,7 +38,9 @@ class LMTask:
                              if cfg.data.val_shards else [])
         except (OSError, ValueError) as err:
             raise ConfigError("data.val_shards", str(err)) from None
-        self.units_per_micro_batch = t.micro_batch_size * t.seq_len
+        self.sequence = world.sequence  # under sequence parallelism, the ranks of a group share rows
+        share = 1 if self.sequence is None else self.sequence.size
+        self.units_per_micro_batch = t.micro_batch_size * t.seq_len // share  # this rank's tokens
 
     @property
     def epoch(self) -> int:
@@ -58,16 +60,22 @@ class LMTask:
         return iter(self.loader)
 
     def loss(self, model, batch, device):
-        return batch_nll(model, batch, device)
+        """On a sequence slice: this slice's NLL, and the whole rows' scored tokens / N as its count. DeepSpeed
+        averages gradients over every rank, the N of a row included, so each rank's loss is scaled to its share
+        of the rows' mean: the mean over ranks is then the mean over data-parallel replicas, at every ZeRO stage."""
+        if self.sequence is None:
+            return batch_nll(model, batch, device)
+        nll, _ = batch_nll(model, batch, device, sequence=self.sequence)
+        return nll, int((batch["labels"] != IGNORE).sum()) / self.sequence.size
 
     def validate(self, model, device) -> dict[str, float]:
         """Mean NLL per token over the validation documents (at most ``log.val_batches`` batches per rank)."""
         world, t = self.world, self.cfg.train
         documents = (doc.tokens for i, doc in enumerate(read_shard_documents(self.val_urls))
-                     if i % world.world_size == world.rank)
+                     if i % world.data_size == world.data_rank)
         scores = score_documents(model, documents, seq_len=t.seq_len, stride=t.seq_len,
                                  batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id, device=device,
-                                 max_batches=self.cfg.log.val_batches)
+                                 max_batches=self.cfg.log.val_batches, sequence=self.sequence)
         mean = scores.nll / scores.tokens
         return {"val/loss": mean, "val/ppl": math.exp(mean), "val/tokens": scores.tokens}
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.distributed import (World, apply_activation_checkpointing, build_engine, close_process_group,
-                                  init_process_group)
+from pretrain.distributed import (World, apply_activation_checkpointing, apply_sequence_parallel, build_engine,
+                                  close_process_group, init_process_group, split_sequences)
 from pretrain.distributed.engine import step_with_grad_norm
 from pretrain.tasks import build_task
 
@@ -103,7 +103,7 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig):
         self.cfg, t = cfg, cfg.train
-        self.world = init_process_group()
+        self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
         self.run_dir = prepare_run_dir(cfg, self.world.is_main)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.task = build_task(cfg, self.world)
@@ -111,6 +111,7 @@ class Trainer:
         seed_everything(cfg.run.seed)  # the same initial weights on every rank
         model = self.task.build_model()
         train_flops_per_unit = self.task.train_flops_per_unit(model)  # before ZeRO-3 partitions the weights
+        apply_sequence_parallel(model, self.world.sequence, t.seq_len)
         if cfg.deepspeed.activation_checkpointing:
             apply_activation_checkpointing(model)
         schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
