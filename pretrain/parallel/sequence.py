@@ -47,7 +47,7 @@ class _AllGather(torch.autograd.Function):
         ctx.shard = shard
         flat = x.contiguous().view(-1)
         out = flat.new_empty(shard.size * flat.numel())  # flat: gloo refuses a stacked [size, n] output
-        dist.all_gather_into_tensor(out, flat, group=shard.group)
+        dist.all_gather_single(out, flat, group=shard.group)
         return out.view(shard.size, *x.shape)
 
     @staticmethod
@@ -56,7 +56,7 @@ class _AllGather(torch.autograd.Function):
         grad = grad.contiguous()
         if dist.get_backend(shard.group) == "nccl":
             mine = grad.new_empty(grad.shape[1:])
-            dist.reduce_scatter_tensor(mine, grad.view(-1), group=shard.group)
+            dist.reduce_scatter_single(mine, grad.view(-1), group=shard.group)
             return mine, None
         dist.all_reduce(grad, group=shard.group)  # gloo has no reduce-scatter; states are small
         return grad[shard.rank], None
@@ -72,7 +72,7 @@ def all_gather_with_grad(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
 def gather_positions(position_ids: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     """The whole rows' ``[B, N·T]`` position ids from every rank's ``[B, T]`` slice."""
     gathered = position_ids.new_empty(shard.size * position_ids.numel())
-    dist.all_gather_into_tensor(gathered, position_ids.contiguous().view(-1), group=shard.group)
+    dist.all_gather_single(gathered, position_ids.contiguous().view(-1), group=shard.group)
     return gathered.view(shard.size, *position_ids.shape).permute(1, 0, 2).reshape(position_ids.shape[0], -1)
 
 

@@ -1,0 +1,58 @@
+"""Cases of the sequence-parallel tests, shared by the test (the single-process reference) and the worker that
+torchrun starts (each rank's slice). fp64 throughout, so forms that are exact agree to round-off.
+
+Rows of T = 48 tokens hold documents that start, end and straddle the slice boundaries of N = 2, 3 and 4 (slices
+of 24, 16 and 12 tokens: not multiples of the chunk of 16), a one-token document, and a document covering whole
+middle slices (the fold passes states through ranks where no document begins).
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from pretrain.attention import build_mixer
+from pretrain.ops import cu_seqlens_from_position_ids
+from pretrain.parallel import SequenceShard
+
+DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48]]
+SEQ_LEN, DIM, HEADS = 48, 16, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    mixer: str
+    options: dict = field(default_factory=dict)
+
+
+CASES = {
+    "linear": Case("linear", {"chunk_size": 16}),
+    "linear_none_norm": Case("linear", {"chunk_size": 16, "normalize": "none", "output_norm": True,
+                                        "feature_map": "relu"}),
+    "cosine": Case("cosine", {"chunk_size": 16}),
+    "inline": Case("inline", {"chunk_size": 16, "conv_size": 4}),
+    "softmax": Case("softmax", {}),
+}
+
+
+def position_ids() -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCUMENTS])
+
+
+def run_case(case: Case, shard: SequenceShard | None) -> dict[str, torch.Tensor]:
+    """The mixer's output, input gradient and parameter gradients on this rank's slice (whole rows: ``shard``
+    None), for a fixed upstream gradient."""
+    torch.manual_seed(0)
+    mixer = build_mixer(case.mixer, DIM, HEADS, causal=True, options=case.options).double()
+    for parameter in mixer.parameters():  # biases and taps away from their zero/one inits
+        parameter.data.add_(0.1 * torch.randn_like(parameter))
+    x = 0.5 * torch.randn(len(DOCUMENTS), SEQ_LEN, DIM, dtype=torch.float64)
+    upstream = torch.randn_like(x)
+    positions = position_ids()
+    if shard is not None:
+        part = shard.slice(SEQ_LEN)
+        x, upstream, positions = x[:, part].contiguous(), upstream[:, part], positions[:, part].contiguous()
+        mixer.sequence = shard
+    x.requires_grad_(True)
+    y = mixer(x, cu_seqlens=cu_seqlens_from_position_ids(positions), position_ids=positions)
+    (y * upstream).sum().backward()
+    return {"y": y.detach(), "x_grad": x.grad,
+            **{f"grad/{name}": p.grad for name, p in mixer.named_parameters() if p.grad is not None}}

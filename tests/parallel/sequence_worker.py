@@ -1,0 +1,34 @@
+"""Run under torchrun by the sequence-parallel tests: every case's mixer (or model) on this rank's slice, fp64.
+
+Writes ``OUT/rank{r}.pt``: per case, the slice's output, the gradient of its input slice and every parameter's
+gradient (this rank's share: the test sums them over ranks). The cases and their single-process reference are in
+``sequence_cases.py``.
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+import deepspeed
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sequence_cases import CASES, run_case  # noqa: E402
+
+from pretrain.parallel import SequenceShard  # noqa: E402
+
+
+def main(out_dir: str, names: list[str]) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")  # Ulysses talks through deepspeed.comm
+    rank, size = dist.get_rank(), dist.get_world_size()
+    shard = SequenceShard(group=dist.group.WORLD, rank=rank, size=size)
+    results = {name: run_case(CASES[name], shard) for name in names}
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main(sys.argv[1], sys.argv[2].split(","))
