@@ -66,23 +66,30 @@ def evaluate(args: argparse.Namespace) -> dict:
     """Load the run's checkpoint, score ``args.data`` (on every launched rank), and return the figures."""
     import torch
 
+    from pretrain.distributed.process_group import World
     from pretrain.train.checkpoint import load_trained_model
 
     model, cfg, checkpoint_path = load_trained_model(Path(args.run), args.tag)
     if not launched_ranks():
-        return score(args, model, cfg, checkpoint_path, 0, 1, torch.device(args.device))
+        if args.sequence_parallel > 1:
+            raise ValueError(f"--sequence-parallel {args.sequence_parallel} needs that many ranks: launch with "
+                             "torchrun or deepspeed")
+        return score(args, model, cfg, checkpoint_path, World(0, 1, 0, torch.device(args.device)))
 
-    from pretrain.distributed import close_process_group, init_process_group
+    from pretrain.distributed import apply_sequence_parallel, close_process_group, init_process_group, split_sequences
 
-    world = init_process_group()  # every rank scores its share of the documents; score_documents sums over ranks
+    # every replica scores its share of the documents, each of its sequence ranks a slice of every row;
+    # score_documents sums over all ranks
+    world = split_sequences(init_process_group(), args.sequence_parallel)
     try:
-        return score(args, model, cfg, checkpoint_path, world.rank, world.world_size, world.device)
+        apply_sequence_parallel(model, world.sequence, args.seq_len or cfg.train.seq_len)
+        return score(args, model, cfg, checkpoint_path, world)
     finally:
         close_process_group()
 
 
-def score(args, model, cfg, checkpoint_path, rank: int, world_size: int, device) -> dict:
-    """This rank's share of ``args.data`` scored, the totals summed over ranks."""
+def score(args, model, cfg, checkpoint_path, world) -> dict:
+    """This replica's share of ``args.data`` scored, the totals summed over ranks."""
     import torch
     from tqdm import tqdm
 
@@ -94,22 +101,27 @@ def score(args, model, cfg, checkpoint_path, rank: int, world_size: int, device)
     model.to(device)
     tokenizer = Tokenizer(cfg.data.tokenizer)
 
-    docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe)) if i % world_size == rank]
+    rank, device = world.data_rank, world.device
+    docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe))
+            if i % world.data_size == rank]
     local_tokens = sum(len(tokens) for tokens, _, _ in docs)
     with tqdm(total=local_tokens, unit="tok", desc="scoring", file=sys.stderr, disable=rank != 0) as bar:
         scores = score_documents(model, (tokens for tokens, _, _ in docs), seq_len=seq_len, stride=stride,
                                  batch_size=args.batch_size, eos_id=tokenizer.eos_id, device=device,
-                                 progress=bar, by_position=args.by_position)
+                                 progress=bar, by_position=args.by_position, sequence=world.sequence)
     nll, tokens = scores.nll, scores.tokens
     num_bytes, words = sum(b for _, b, _ in docs), sum(w for _, _, w in docs)
-    if world_size > 1:
+    if world.sequence is not None and world.sequence.rank > 0:
+        num_bytes = words = 0  # the replica's first sequence rank counts its documents' text
+    if world.world_size > 1:
         counts = torch.tensor([num_bytes, words], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(counts)
         num_bytes, words = (int(c) for c in counts.tolist())
     result = {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
               "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
               "bytes": num_bytes, "words": words, "checkpoint": str(checkpoint_path), "seq_len": seq_len,
-              "stride": stride, "ranks": world_size}
+              "stride": stride, "ranks": world.world_size,
+              "sequence_parallel": 1 if world.sequence is None else world.sequence.size}
     if scores.by_position is not None:
         result["by_position"] = position_rows(scores.by_position)
     return result
@@ -139,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--by-position", action="store_true",
                         help="also report the loss per document position of the target (doubling buckets)")
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                        help="split every row over N launched ranks, for documents longer than one rank holds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     args = parser.parse_args(argv)
 
