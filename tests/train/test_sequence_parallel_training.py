@@ -1,0 +1,91 @@
+"""Training with each row split across ranks equals training on whole rows: real DeepSpeed runs on gloo ranks.
+
+A hybrid LM (a linear layer and a softmax layer, so both the state exchange and Ulysses run) trains for a few
+steps. With ``parallel.sequence_parallel=2`` on 2 ranks the pair reads the rows one rank reads alone, so the global
+batch is the same: losses, gradient norms, validation losses and final weights must match one rank's to 1e-5
+(fp32; the sums run in another order), under ZeRO 0, 2 and 3 (with activation checkpointing, which replays
+the forward's collectives in backward). Then data × sequence parallel on 4 ranks against
+data parallel on 2, and an exact resume of a sequence-parallel run.
+"""
+import shutil
+
+import pytest
+import torch
+
+from pretrain.train import checkpoint
+
+from launching import launch, read_metrics, tiny_overrides
+
+pytestmark = pytest.mark.dist
+STEPS = 4
+
+
+def overrides(lm_data, run_dir, *, stage=0, sp=1, **extra):
+    return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, parallel__sequence_parallel=sp,
+                          model__layer_pattern="[linear,softmax]", model__mixer_options__linear__chunk_size=16,
+                          train__seq_len=96, train__max_steps=STEPS, schedule__warmup_steps=1, log__val_every=2, log__val_batches=4,
+                          checkpoint__every=2, optim__eps=1e-6, **extra)
+# optim.eps: Adam divides each coordinate's step by its own gradient scale, so with the default 1e-8 a coordinate
+# whose gradient is round-off (~1e-8) takes a step of up to lr whose sign another summation order may flip (seen:
+# 3e-5 on 7 of 12288 weights). 1e-6 damps those, so equal gradients show as equal weights; a wrong gradient scale,
+# which Adam would hide, shows in train/grad_norm, compared before the optimizer.
+
+
+@pytest.fixture(scope="module")
+def runs(lm_data, tmp_path_factory):
+    """``runs(ranks, sp, stage)``: the directory of a finished run (each launched once)."""
+    root, done = tmp_path_factory.mktemp("sp_runs"), {}
+
+    def get(ranks: int, sp: int, stage: int = 0):
+        key = (ranks, sp, stage)
+        if key not in done:
+            run = root / f"r{ranks}_sp{sp}_z{stage}"
+            recompute = {"deepspeed__activation_checkpointing": "true"} if stage == 3 else {}  # collectives replayed
+            launch(overrides(lm_data, run, stage=stage, sp=sp, **recompute), ranks=ranks)
+            done[key] = run
+        return done[key]
+
+    return get
+
+
+def assert_same_training(run, reference, stage, ref_stage=0):
+    got, want = read_metrics(run), read_metrics(reference)
+    for step in range(1, STEPS + 1):
+        for key in ("train/loss", "train/grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+        if "val/loss" in want[step]:
+            assert got[step]["val/loss"] == pytest.approx(want[step]["val/loss"], rel=1e-5), step
+    assert got[STEPS]["train/tokens_seen"] == want[STEPS]["train/tokens_seen"]
+    tag = checkpoint.tag_for(STEPS)
+    weights = checkpoint.load_model_weights(run / "checkpoints", tag, zero_stage=stage)
+    expected = checkpoint.load_model_weights(reference / "checkpoints", tag, zero_stage=ref_stage)
+    for name, tensor in expected.items():
+        error = torch.linalg.vector_norm(weights[name] - tensor) / torch.linalg.vector_norm(tensor)
+        assert error < 1e-5, (name, float(error))
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_two_sequence_ranks_train_as_one_rank(runs, stage):
+    assert_same_training(runs(2, 2, stage), runs(1, 1), stage)
+
+
+def test_data_and_sequence_parallel_on_four_ranks_train_as_data_parallel_on_two(runs):
+    assert_same_training(runs(4, 2), runs(2, 1), 0)
+
+
+def test_a_sequence_parallel_run_resumes_exactly(runs, lm_data, tmp_path):
+    finished = runs(2, 2, 2)
+    run = tmp_path / "resumed"
+    shutil.copytree(finished, run)
+    (run / "checkpoints" / "latest").write_text(checkpoint.tag_for(2))
+    launch(overrides(lm_data, run, stage=2, sp=2), ranks=2)
+    resumed, reference = read_metrics(run), read_metrics(finished)
+    for step in range(3, STEPS + 1):
+        assert resumed[step]["train/loss"] == reference[step]["train/loss"]
+        assert resumed[step]["train/grad_norm"] == reference[step]["train/grad_norm"]
+
+
+def test_world_size_not_divisible_by_the_sequence_ranks_is_refused(lm_data, tmp_path):
+    result = launch(overrides(lm_data, tmp_path / "odd", sp=2), ranks=1, check=False)
+    assert result.returncode != 0
+    assert "parallel.sequence_parallel=2 must divide the number of ranks (1)" in result.stdout + result.stderr
