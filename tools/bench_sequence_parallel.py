@@ -1,0 +1,172 @@
+"""How long a context fits, and how fast it trains, with each row on 1 rank or split over N (sequence parallelism).
+
+    python tools/bench_sequence_parallel.py --sizes 1,2 --seq-lens 16384,32768,65536,131072,262144 \\
+        --budget-gb 2 --json benchmarks/sequence_parallel_cpu.json --markdown benchmarks/sequence_parallel_cpu.md
+
+For every N and length, torchrun starts N gloo ranks (one thread each) that train a small LM — one forward and
+backward of the loss per step, no optimizer — on one row of that length, split into N slices. Each rank reports
+its peak resident memory above what it held before building the model (the kernel's ``ru_maxrss``), the median
+step time over ``--steps`` timed steps after one warm-up step, and the bytes its sequence-parallel collectives
+moved per layer and step (counted at the ``torch.distributed`` calls: an all-gather's whole output, an
+all-reduce's tensor). A length whose peak passes ``--budget-gb`` on any rank ends that N's series: the longest
+length under the budget is N's longest trainable context. The machine's load is recorded with every figure.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def model_overrides(args) -> list[str]:
+    return ["data.tokenizer=unused", "data.train_shards=unused", f"model.vocab_size={args.vocab}", f"model.dim={args.dim}",
+            f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.mixer={args.mixer}",
+            f"train.seq_len={args.seq_len}", f"parallel.sequence_parallel={args.size}"]
+
+
+def worker(args) -> None:
+    """One rank: build, split, time; rank 0 prints the record as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    from benchlib import resident_bytes
+    from pretrain.config import load_config
+    from pretrain.distributed import apply_sequence_parallel, close_process_group, init_process_group, split_sequences
+    from pretrain.parallel import shard_rows
+    from pretrain.tasks import build_model
+
+    moved = {"bytes": 0}
+    for name in ("all_gather_single", "all_reduce"):  # count what the collectives carry (the real calls run)
+        real = getattr(dist, name)
+
+        def counted(*call, _real=real, _name=name, **kwargs):
+            moved["bytes"] += call[0].numel() * call[0].element_size()
+            return _real(*call, **kwargs)
+
+        setattr(dist, name, counted)
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, model_overrides(args))
+    world = split_sequences(init_process_group(), args.size)
+    before = resident_bytes()
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    apply_sequence_parallel(model, world.sequence, args.seq_len)
+    ids = torch.randint(0, args.vocab, (1, args.seq_len + 1))
+    positions = (torch.arange(args.seq_len) % args.doc_len)[None]  # documents straddle the slice boundaries
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "position_ids": positions}
+    if world.sequence is not None:
+        batch = shard_rows(batch, world.sequence)
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"]).backward()
+        return time.perf_counter() - start
+
+    step()
+    moved["bytes"] = 0
+    times = [step() for _ in range(args.steps)]
+    comm = moved["bytes"]
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    step_s = statistics.median(times)
+    if world.rank == 0:
+        print(json.dumps({"ranks": args.size, "seq_len": args.seq_len, "tokens_per_rank": args.seq_len // args.size,
+                          "peak_mem_bytes": int(peak.item()), "step_s": step_s, "tokens_per_s": args.seq_len / step_s,
+                          "comm_bytes_per_layer": comm // (args.steps * args.layers), "load": os.getloadavg()[0]}))
+    close_process_group()
+
+
+def measure(args, size: int, seq_len: int) -> dict:
+    """One (N, length) in fresh processes under an address-space limit; a failure is a record with its status."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", __file__,
+               "--worker", "--size", str(size), "--seq-len", str(seq_len), *shared_flags(args)]
+    limit = int((args.budget_gb * 2 + 8) * 2**30)  # a net under the budget check, so a runaway size fails cleanly
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, preexec_fn=cap,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired:
+        return {"ranks": size, "seq_len": seq_len, "status": f"timeout ({args.timeout} s)"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        return {"ranks": size, "seq_len": seq_len, "status": f"failed ({result.returncode})",
+                "stderr": result.stderr[-600:]}
+    record = json.loads(lines[-1])
+    record["status"] = "ok" if record["peak_mem_bytes"] <= args.budget_gb * 2**30 else "over budget"
+    return record
+
+
+def shared_flags(args) -> list[str]:
+    return ["--mixer", args.mixer, "--dim", str(args.dim), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--vocab", str(args.vocab), "--doc-len", str(args.doc_len), "--steps", str(args.steps)]
+
+
+def markdown(records: list[dict], args) -> str:
+    rows = ["| N | seq_len | tokens/rank | peak memory/rank | step (fwd+bwd) | tokens/s | sent+received/layer | load | "
+            "status |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        if "step_s" in r:
+            rows.append(f"| {r['ranks']} | {r['seq_len']:,} | {r['tokens_per_rank']:,} | "
+                        f"{r['peak_mem_bytes'] / 2**30:.2f} GiB | {r['step_s']:.2f} s | {r['tokens_per_s']:,.0f} | "
+                        f"{r['comm_bytes_per_layer'] / 2**10:,.1f} KiB | {r['load']:.2f} | {r['status']} |")
+        else:
+            rows.append(f"| {r['ranks']} | {r['seq_len']:,} | | | | | | | {r['status']} |")
+    longest = {}
+    for r in records:
+        if r["status"] == "ok":
+            longest[r["ranks"]] = max(longest.get(r["ranks"], 0), r["seq_len"])
+    summary = ", ".join(f"N={n}: {t:,} tokens" for n, t in sorted(longest.items()))
+    return (f"Longest trainable row within {args.budget_gb} GiB per rank: {summary}.\n\n" + "\n".join(rows) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1,2", help="sequence-parallel sizes N to compare")
+    parser.add_argument("--seq-lens", default="16384,32768,65536,131072,262144", help="row lengths, ascending")
+    parser.add_argument("--budget-gb", type=float, default=2.0, help="peak resident memory per rank allowed")
+    parser.add_argument("--mixer", default="linear")
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2000)
+    parser.add_argument("--doc-len", type=int, default=10000, help="tokens per document in the row")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per (N, length)")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--seq-len", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    records = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        for seq_len in (int(t) for t in args.seq_lens.split(",")):
+            record = measure(args, size, seq_len)
+            records.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k != "stderr"}), file=sys.stderr, flush=True)
+            if record["status"] != "ok":
+                break
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
+    table = markdown(records, args)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
