@@ -264,6 +264,12 @@ def _validate(cfg: DictConfig) -> None:
     for key in non_negative:
         require(cfg, key, OmegaConf.select(cfg, key) >= 0, "must be >= 0")
 
+    sp = cfg.parallel.sequence_parallel
+    require(cfg, "parallel.sequence_parallel", sp >= 1, "must be >= 1")
+    require(cfg, "parallel.sequence_parallel", sp == 1 or cfg.task == "lm", "splits LM rows; task vision has none")
+    require(cfg, "parallel.sequence_parallel", cfg.train.seq_len % sp == 0,
+            f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
+
     model = cfg.model
     if cfg.task == "lm":  # vision checks its options per stage (config_vision)
         validate_mixer_options(model)
@@ -283,12 +289,6 @@ def _validate(cfg: DictConfig) -> None:
     if sched.name == "wsd":
         require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - sched.warmup_steps,
                  "wsd needs 0 < decay_steps <= train.max_steps - schedule.warmup_steps")
-
-    sp = cfg.parallel.sequence_parallel
-    require(cfg, "parallel.sequence_parallel", sp >= 1, "must be >= 1")
-    require(cfg, "parallel.sequence_parallel", sp == 1 or cfg.task == "lm", "splits LM rows; task vision has none")
-    require(cfg, "parallel.sequence_parallel", cfg.train.seq_len % sp == 0,
-            f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
 
     ds = cfg.deepspeed
     require(cfg, "deepspeed.zero_stage", 0 <= ds.zero_stage <= 3, "must be 0, 1, 2 or 3")

@@ -18,6 +18,9 @@ A mixer whose forward needs data (``.item()``, ``nonzero`` on packed-document of
 share is then taken as 5·dim values per token (input, q, k, v, output) and the result names it.
 On the meta device SDPA would take its math path and store the T×T weights; the GPU kernels (flash-attn, SDPA's
 flash) keep only q, k, v, out and the log-sum-exp, so the measurement routes SDPA to that kernel's form.
+Under sequence parallelism (``parallel.sequence_parallel: N``) a rank holds seq_len/N tokens of every row, so its
+activations are measured at that length (Ulysses' all-to-all trades a slice of every head for every token of H/N
+heads: the same size); the states the linear mixers exchange, N × [H, D, D] per layer, are small beside them.
 With activation checkpointing each block keeps only its input, plus one block's activations while it is
 recomputed. Not counted: temporary buffers (DeepSpeed's communication buckets, ZeRO-3 gathers,
 allocator fragmentation), so treat the total as a floor with ~10–20 % headroom to plan for.
@@ -50,6 +53,10 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
                                               "size (model.vocab_size=32000) or an existing data.tokenizer")
     ds, train = cfg.deepspeed, cfg.train
     dtype = DTYPES[ds.precision]
+    split = cfg.parallel.sequence_parallel
+    if world_size % split:
+        raise ConfigError("parallel.sequence_parallel", f"{split} must divide the number of ranks ({world_size})")
+    local_len = train.seq_len // split  # a rank's slice of every row: its activations are those of a row this long
     with torch.device("meta"):
         model = build_lm(cfg.model).to(dtype)
         probe = build_lm(_one_pattern_period(cfg.model)).to(dtype)
@@ -57,10 +64,10 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
     forward_flops = model.flops_per_token(train.seq_len)
 
     states = model_state_bytes(parameters, ds.precision, ds.zero_stage, world_size)
-    period, rest, approximated = saved_activation_bytes(probe, train.micro_batch_size, train.seq_len)
+    period, rest, approximated = saved_activation_bytes(probe, train.micro_batch_size, local_len)
     per_block = [period[i % len(period)] for i in range(len(model.layers))]
     if ds.activation_checkpointing:
-        block_input = train.micro_batch_size * train.seq_len * cfg.model.dim * dtype.itemsize
+        block_input = train.micro_batch_size * local_len * cfg.model.dim * dtype.itemsize
         activations = len(per_block) * block_input + max(per_block) + rest
     else:
         activations = sum(per_block) + rest
@@ -79,6 +86,8 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
         "precision": ds.precision,
         "micro_batch_size": train.micro_batch_size,
         "seq_len": train.seq_len,
+        "sequence_parallel": split,
+        "tokens_per_rank": train.micro_batch_size * local_len,
         "activation_checkpointing": ds.activation_checkpointing,
         "activations_approximated_for": approximated,  # mixers that cannot run on meta: 5·dim values per token
     }
