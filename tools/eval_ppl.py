@@ -96,12 +96,12 @@ def score(args, model, cfg, checkpoint_path, world) -> dict:
     from pretrain.data import Tokenizer
     from pretrain.train.evaluate import score_documents
 
+    rank, device = world.data_rank, world.device
     seq_len = args.seq_len or cfg.train.seq_len
     stride = args.stride or seq_len
     model.to(device)
     tokenizer = Tokenizer(cfg.data.tokenizer)
 
-    rank, device = world.data_rank, world.device
     docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe))
             if i % world.data_size == rank]
     local_tokens = sum(len(tokens) for tokens, _, _ in docs)

@@ -89,3 +89,37 @@ def test_world_size_not_divisible_by_the_sequence_ranks_is_refused(lm_data, tmp_
     result = launch(overrides(lm_data, tmp_path / "odd", sp=2), ranks=1, check=False)
     assert result.returncode != 0
     assert "parallel.sequence_parallel=2 must divide the number of ranks (1)" in result.stdout + result.stderr
+
+
+def test_eval_ppl_split_over_two_sequence_ranks_agrees_with_one_process(runs, lm_data):
+    """Rows of 192 tokens, longer than the validation documents, so some rows end in padding that fills a whole
+    slice (checked below): such a rank scores nothing and still joins every collective."""
+    import json
+    import os
+    import subprocess
+
+    import numpy as np
+
+    from pretrain.data.text_shards import read_shard_documents
+    from pretrain.data.shards import expand_shards
+    from pretrain.train.evaluate import IGNORE, packed_rows
+
+    from launching import PYTHON, REPO
+
+    documents = [doc.tokens for doc in read_shard_documents(expand_shards(lm_data["val_shards"]))]
+    rows = list(packed_rows(documents, seq_len=192, stride=192, eos_id=3))
+    assert any(np.all(targets[96:] == IGNORE) for _, _, targets, _ in rows)
+
+    def eval_ppl(*launcher, extra=()):
+        result = subprocess.run([*launcher, "tools/eval_ppl.py", "--run-dir", str(runs(2, 2, 0)), "--data",
+                                 lm_data["val_shards"], "--seq-len", "192", "--batch-size", "2", "--json", *extra],
+                                cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    whole = eval_ppl(PYTHON)
+    split = eval_ppl(PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                     extra=("--sequence-parallel", "2"))
+    assert split["sequence_parallel"] == 2 and split["ranks"] == 2
+    assert (split["tokens"], split["bytes"], split["words"]) == (whole["tokens"], whole["bytes"], whole["words"])
+    assert split["nll"] == pytest.approx(whole["nll"], rel=1e-6)
