@@ -44,12 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
 
-    from pretrain.train import NonFiniteLossError, train
+    from pretrain.data import ShardError
+    from pretrain.train import CheckpointError, NonFiniteLossError, train
 
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         train(cfg)
-    except (ConfigError, NonFiniteLossError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except ConfigError as err:  # every rank finds the same: said once
+        if rank == 0:
+            print(f"config error: {err}", file=sys.stderr)
+        return 1
+    except (NonFiniteLossError, ShardError, CheckpointError, OSError) as err:  # one line naming the file, no traceback
+        print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}", file=sys.stderr)
         return 1
     return 0
 

@@ -123,13 +123,22 @@ class ShardStream:
             epoch += 1
 
 
+class _WorkerFailure(NamedTuple):
+    error: ShardError
+
+
 class _WorkerShare(IterableDataset):
     def __init__(self, stream: ShardStream, start: tuple):
         self.stream, self.start = stream, start
 
     def __iter__(self):
+        """A corrupt shard comes back in the batch's place, for the trainer to raise as is (the DataLoader would
+        rewrap it in a worker traceback)."""
         info = get_worker_info()
-        return self.stream.batches(self.start, info.id, info.num_workers)
+        try:
+            yield from self.stream.batches(self.start, info.id, info.num_workers)
+        except ShardError as err:
+            yield _WorkerFailure(err)
 
 
 def _as_is(item):
@@ -183,7 +192,10 @@ class StreamLoader:
         else:
             produced = DataLoader(_WorkerShare(stream, start), batch_size=None, num_workers=self.num_workers,
                                   collate_fn=_as_is)
-        for batch, cursor, skipped in produced:
+        for item in produced:
+            if isinstance(item, _WorkerFailure):
+                raise item.error
+            batch, cursor, skipped = item
             self._cursor = start._make(cursor)
             self.skipped_shards = skipped_before + skipped
             self.batches += 1

@@ -2,8 +2,10 @@
 
 Layout: ``CKPT_DIR/step00000500/`` holds DeepSpeed's files (model, optimizer, LR scheduler) and one
 ``client_state_rankNNNNN.pt`` per rank (step, counters, that rank's data-stream and RNG states);
-``CKPT_DIR/latest`` names the newest complete tag. A save interrupted at any point leaves ``latest`` on the
-previous complete tag, so the run still resumes.
+``CKPT_DIR/latest`` names the newest complete tag. A tag is complete once its ``complete`` marker is written,
+after every rank finished; ``latest`` moves only then. A save interrupted at any point (a full disk, a kill) leaves
+``latest`` on the previous complete tag and a *partial* tag, which never counts as a checkpoint: pruning and the
+next run's start remove it, and loading it is refused.
 """
 import contextlib
 import os
@@ -18,6 +20,11 @@ import torch.distributed as dist
 from ..distributed.engine import reapply_lr_schedule
 
 TAG = re.compile(r"step(\d{8})")
+COMPLETE = "complete"  # marker file: every rank's files of the tag are on disk
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that could not be written, or a tag that cannot be loaded; the message names it."""
 
 
 def tag_for(step: int) -> str:
@@ -33,27 +40,83 @@ def latest_tag(ckpt_dir: Path) -> str | None:
     return pointer.read_text().strip() if pointer.exists() else None
 
 
+def _tags(ckpt_dir: Path) -> list[str]:
+    return sorted(p.name for p in Path(ckpt_dir).glob("step*") if p.is_dir() and TAG.fullmatch(p.name))
+
+
+def is_complete(ckpt_dir: Path, tag: str) -> bool:
+    """Whether every rank finished writing ``tag``: its marker, or a tag no newer than ``latest`` (``latest`` moved
+    past it only after it was complete, also before markers existed)."""
+    latest = latest_tag(ckpt_dir)
+    return (Path(ckpt_dir) / tag / COMPLETE).exists() or (latest is not None and tag <= latest)
+
+
+def partial_tags(ckpt_dir: Path) -> list[str]:
+    """Tags left by an interrupted save."""
+    return [tag for tag in _tags(ckpt_dir) if not is_complete(ckpt_dir, tag)] if Path(ckpt_dir).is_dir() else []
+
+
+def remove_partial_tags(ckpt_dir: Path) -> list[str]:
+    """Delete the tags of interrupted saves (one rank, before the run saves): they hold disk and resume nothing."""
+    removed = partial_tags(ckpt_dir)
+    for tag in removed:
+        shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
+    return removed
+
+
+def _space_left(path: Path) -> str:
+    """Free space on ``path``'s filesystem, and the file size limit when one is set (``ulimit -f``)."""
+    import resource
+
+    text = f"{shutil.disk_usage(path).free / 2**20:,.1f} MiB free there"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return text if limit == resource.RLIM_INFINITY else f"{text}, file size limit (ulimit -f) {limit:,} bytes"
+
+
+@contextlib.contextmanager
+def _writing(ckpt_dir: Path, tag: str):
+    """A failed write ends in one ``CheckpointError`` naming the tag, the cause and the space left, after the
+    half-written tag is removed. (torch.save on a full disk says only ``basic_ios::clear: iostream error``.)"""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        if isinstance(err, dist.DistError):  # a rank died; not a write failure
+            raise
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        latest = latest_tag(ckpt_dir)
+        raise CheckpointError(
+            f"could not write checkpoint {ckpt_dir / tag}: {cause} ({_space_left(ckpt_dir)}); the partial tag is "
+            f"removed and `latest` still names {latest or 'no checkpoint'}: make room, then relaunch to resume"
+        ) from err
+
+
 def save(engine, ckpt_dir: Path, step: int, client_state: dict, *, keep_last: int) -> str:
-    """Save on all ranks (a collective call); then move ``latest`` and keep only the newest ``keep_last`` tags."""
+    """Save on all ranks (a collective call); then mark the tag complete, move ``latest`` and keep only the newest
+    ``keep_last`` complete tags."""
     ckpt_dir, tag, rank = Path(ckpt_dir), tag_for(step), dist.get_rank()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
-    path = _client_state_path(ckpt_dir, tag, rank)
-    torch.save(client_state, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    with _writing(ckpt_dir, tag):
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
+        path = _client_state_path(ckpt_dir, tag, rank)
+        torch.save(client_state, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
     dist.barrier()  # every rank's files of this tag are on disk
     if rank == 0:
-        pointer = ckpt_dir / "latest"
-        pointer.with_suffix(".tmp").write_text(tag)
-        os.replace(pointer.with_suffix(".tmp"), pointer)
+        with _writing(ckpt_dir, tag):
+            (ckpt_dir / tag / COMPLETE).touch()
+            pointer = ckpt_dir / "latest"
+            pointer.with_suffix(".tmp").write_text(tag)
+            os.replace(pointer.with_suffix(".tmp"), pointer)
         _prune(ckpt_dir, keep_last, keep=tag)
     dist.barrier()
     return tag
 
 
 def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
-    """Remove all but the newest ``keep_last`` (>= 1) tags, never the one ``latest`` names."""
-    tags = sorted(p.name for p in ckpt_dir.iterdir() if p.is_dir() and TAG.fullmatch(p.name))
-    for tag in tags[:-keep_last]:
+    """Keep the newest ``keep_last`` (>= 1) complete tags and never the one ``latest`` names; partial tags (other
+    saves' leftovers: this one is complete) go too, and never count."""
+    complete = [tag for tag in _tags(ckpt_dir) if is_complete(ckpt_dir, tag)]
+    for tag in complete[:-keep_last] + partial_tags(ckpt_dir):
         if tag != keep:
             shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
 
@@ -89,6 +152,10 @@ def load_model_weights(ckpt_dir: Path, tag: str, *, zero_stage: int) -> dict[str
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / tag).is_dir():
         raise FileNotFoundError(f"checkpoint {ckpt_dir / tag} does not exist")
+    if not is_complete(ckpt_dir, tag):
+        complete = [t for t in _tags(ckpt_dir) if is_complete(ckpt_dir, t)]
+        raise CheckpointError(f"checkpoint {ckpt_dir / tag} is partial (its save was interrupted, no {COMPLETE!r} "
+                              f"marker); pass a complete tag: {', '.join(complete) or 'there is none'}")
     if zero_stage == 0:
         states = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
         return {name: tensor.float() for name, tensor in states["module"].items()}

@@ -4,6 +4,7 @@ The loop knows no mixer and no task: a ``pretrain.tasks`` Task gives it the data
 and the validation figures; the loop keeps what every task shares (engine, metrics, checkpoints, resume, signals,
 non-finite steps).
 """
+import contextlib
 import functools
 import math
 import time
@@ -21,7 +22,7 @@ from pretrain.tasks import build_task
 
 from . import checkpoint
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
-from .preemption import StopRequest
+from .preemption import StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
 from .schedule import lr_at
@@ -126,7 +127,11 @@ class Trainer:
         self.peak_flops = device_peak_flops(self.world.device)
 
     def resume(self) -> None:
-        """Continue from the latest checkpoint if there is one: weights, optimizer, LR, data, RNG, counters."""
+        """Continue from the latest checkpoint if there is one: weights, optimizer, LR, data, RNG, counters. Tags an
+        interrupted save left are removed first (rank 0), so they neither hold the disk nor count as checkpoints."""
+        if self.world.is_main:
+            for tag in checkpoint.remove_partial_tags(self.ckpt_dir):
+                self.writer.print(f"removed partial checkpoint {self.ckpt_dir / tag} (its save was interrupted)")
         resumed = checkpoint.load(self.engine, self.ckpt_dir)
         if resumed is None:
             self.writer.text("config", "```\n" + OmegaConf.to_yaml(self.cfg) + "```")
@@ -185,12 +190,18 @@ class Trainer:
                           f"epoch {self.task.epoch}")
 
     def run(self) -> None:
+        """Train until ``train.max_steps`` or a stop signal. The data loader's workers are stopped on the way out,
+        error or not: left running, a worker kept a failed run waiting on it at exit."""
+        with StopRequest() as stop:
+            with held_from_child_processes():  # the first batch starts the loader's worker processes
+                loader = self.task.batches()
+                first = next(loader)
+            with contextlib.closing(loader):
+                self._steps(stop, chain([first], loader))
+        self.writer.close()
+
+    def _steps(self, stop: StopRequest, batches) -> None:
         cfg, c, world = self.cfg, self.counters, self.world
-        stop = StopRequest()
-        with stop.held_from_child_processes():  # the first batch starts the loader's worker processes
-            batches = self.task.batches()
-            first = next(batches)
-        batches = chain([first], batches)
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
             lr = self.engine.get_lr()[0]
@@ -218,7 +229,6 @@ class Trainer:
                 self.writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {c.step}; "
                                   "relaunch the same command to resume")
                 break
-        self.writer.close()
 
 
 def train(cfg: DictConfig) -> None:

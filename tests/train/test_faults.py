@@ -1,0 +1,131 @@
+"""Runs that fail fast and lose nothing: real faults (a full disk, a corrupt shard, a killed process) in real runs.
+
+Each run has a data-loader worker alive when the fault strikes (``data.num_workers=1``): a worker that outlived its
+trainer's error once kept the process waiting on it forever.
+"""
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.data import TokenLoader
+from pretrain.train import checkpoint
+
+from launching import PYTHON, REPO, read_metrics, tiny_overrides
+
+pytestmark = pytest.mark.dist
+PROMPTLY = 90  # seconds a failing run may take to end (DeepSpeed's start-up included)
+
+
+def start(overrides: list[str], ranks: int = 1, launcher: str = "python") -> subprocess.Popen:
+    """launch/pretrain.py in a session of its own, output merged, as a user would start it."""
+    if launcher == "python":
+        argv = [PYTHON, "launch/pretrain.py"]
+    elif launcher == "torchrun":
+        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                "launch/pretrain.py"]
+    else:
+        argv = [PYTHON, "-m", "deepspeed.launcher.runner", f"--num_gpus={ranks}", "launch/pretrain.py"]
+    return subprocess.Popen(argv + ["--config", "configs/tiny_lm.yaml", *overrides], cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if process.poll() is not None or time.time() > deadline:
+            output = process.communicate()[0] if process.poll() is not None else "(still running)"
+            kill_session(process)
+            raise AssertionError(f"no {what}:\n{output[-4000:]}")
+        time.sleep(0.01)
+
+
+def session_processes(session: int) -> list[int]:
+    """Live processes of a session (the launcher's, its ranks' and their workers')."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    for pid in session_processes(process.pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def finish(process: subprocess.Popen, timeout: float = PROMPTLY) -> str:
+    """The run's output once it ended by itself, within ``timeout``; no process of its session may outlive it."""
+    try:
+        output = process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        kill_session(process)
+        raise AssertionError(f"the run did not end within {timeout} s:\n{process.communicate()[0][-4000:]}")
+    deadline = time.time() + 10  # workers notice a dead parent within seconds
+    while session_processes(process.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    left = session_processes(process.pid)
+    kill_session(process)
+    assert not left, f"processes left behind: {left}\n{output[-4000:]}"
+    return output
+
+
+def complete_tags(ckpt_dir: Path) -> list[str]:
+    return sorted(p.name for p in ckpt_dir.glob("step*") if checkpoint.is_complete(ckpt_dir, p.name))
+
+
+def test_a_full_disk_at_a_save_ends_the_run_naming_the_tag_and_keeps_latest(lm_data, tmp_path):
+    """The trainer's file size limit drops below a checkpoint's size after its first save (a full disk, as the
+    process sees it: writes fail with EFBIG); the next save must end the run, non-zero and promptly, with one line
+    naming the tag and the space left, and leave the first checkpoint as ``latest`` and no partial tag."""
+    run = tmp_path / "run"
+    process = start(tiny_overrides(lm_data, run, data__num_workers=1, train__max_steps=10_000, checkpoint__every=5,
+                                   log__val_every=10_000))
+    ckpts = run / "checkpoints"
+    wait_for(lambda: checkpoint.latest_tag(ckpts) is not None, process, "first checkpoint")
+    good = checkpoint.latest_tag(ckpts)
+    largest = max(path.stat().st_size for path in (ckpts / good).iterdir())
+    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (largest // 2, largest // 2))
+
+    output = finish(process)
+    assert process.returncode == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    error = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1, output[-4000:]
+    assert f"could not write checkpoint {ckpts}/step" in error[0] and "MiB free there" in error[0], error
+    assert f"file size limit (ulimit -f) {largest // 2:,} bytes" in error[0], error
+    assert f"`latest` still names {good}" in error[0], error
+    assert checkpoint.latest_tag(ckpts) == good
+    assert checkpoint.partial_tags(ckpts) == [] and complete_tags(ckpts)[-1] == good
+
+
+def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data, tmp_path):
+    """The third shard this rank reads is truncated: the worker meets it after the first steps and checkpoints; the
+    run must end at once, non-zero, with one line naming the shard, and keep its checkpoints."""
+    data = tmp_path / "shards"
+    shutil.copytree(Path(lm_data["train_shards"]).parent, data)
+    pattern = str(data / "shard-{000000..000099}.tar")
+    order = TokenLoader(pattern, seq_len=64, batch_size=4, seed=0, shuffle_buffer=64).epoch_shards(0)
+    corrupt = Path(order[2])
+    corrupt.write_bytes(corrupt.read_bytes()[:5000])
+    run = tmp_path / "run"
+    process = start(tiny_overrides(lm_data, run, data__train_shards=pattern, data__num_workers=1,
+                                   train__max_steps=10_000, checkpoint__every=2, log__val_every=10_000))
+    output = finish(process, timeout=PROMPTLY + 60)
+    assert process.returncode == 1, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    error = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and corrupt.name in error[0], output[-4000:]
+    assert max(read_metrics(run)) >= 4  # it failed mid-run, after steps and checkpoints
+    ckpts = run / "checkpoints"
+    assert checkpoint.partial_tags(ckpts) == [] and checkpoint.latest_tag(ckpts) == complete_tags(ckpts)[-1]
