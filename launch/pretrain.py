@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_args(argv)
 
-    from pretrain.config import ConfigError, load_config
+    from pretrain.config import ConfigError
+    from pretrain.tasks.config_checks import load_run_config
 
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides)
         if args.dry_run:
             from pretrain.estimate import estimate
 

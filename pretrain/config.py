@@ -3,9 +3,9 @@
 ``load_config(path, overrides)`` merges a YAML file and dotted ``key=value`` overrides onto the schema below,
 (a file may start from another with ``base: other.yaml``, a path relative to itself, and change a few keys),
 refuses unknown keys, wrong types, missing values and impossible combinations with a ``ConfigError`` that names
-the key, and fills ``model.vocab_size`` from the tokenizer when it is 0 (``task: lm``) or ``vision.num_classes``
-from the training shards' manifest when it is 0 (``task: vision``, checked in ``config_vision``). Importing this
-module does not import DeepSpeed.
+the key. It imports nothing of ours (and not DeepSpeed): the checks that need the model or the data (mixers that
+build, ``model.vocab_size`` from the tokenizer, ``vision.num_classes`` from the shards' manifest) live with the
+tasks, in ``pretrain.tasks.config_checks``, whose ``load_run_config`` runs both.
 """
 import os
 import tempfile
@@ -116,6 +116,9 @@ class CheckpointConfig:
     keep_last: int = 3
 
 
+VISION_STAGES = 4  # the backbone's stages: the grid halves after each, so the output stride is patch_size·8
+
+
 @dataclass
 class VisionConfig:  # task vision: a hierarchical backbone of four stages (pretrain/models/vision.py)
     image_size: int = 224  # training crop side (square); evaluation may use any resolution
@@ -184,12 +187,6 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
     if missing:
         raise ConfigError(missing[0], f"no value given (missing: {', '.join(missing)}); set it as {missing[0]}=...")
     _validate(cfg)
-    if cfg.task == "lm":
-        _resolve_vocab_size(cfg)
-    else:
-        from .config_vision import validate_vision
-
-        validate_vision(cfg)
     return cfg
 
 
@@ -271,15 +268,15 @@ def _validate(cfg: DictConfig) -> None:
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
 
     model = cfg.model
-    if cfg.task == "lm":  # vision checks its options per stage (config_vision)
-        validate_mixer_options(model)
+    if cfg.task == "lm":
         require(cfg, "data.tokenizer", cfg.data.tokenizer is not None, "task lm needs a sentencepiece model")
         require(cfg, "model.n_heads", model.dim % model.n_heads == 0,
                  f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
         require(cfg, "model.layer_pattern",
                  not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
                  f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
-        _validate_mixers(model, cfg.train.seq_len, cfg.parallel.sequence_parallel)
+    else:
+        _validate_vision(cfg)
 
     require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")
     require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
@@ -303,91 +300,32 @@ def _validate(cfg: DictConfig) -> None:
                  "pipe: URLs run shell commands; set data.allow_pipe=true to allow them")
 
 
-def validate_mixer_options(model: DictConfig, *, stages: int | None = None) -> None:
-    """Every ``model.mixer_options`` entry names a registered mixer and options it takes, of the default's type.
+def _validate_vision(cfg: DictConfig) -> None:
+    """The ``vision:`` and ``augment:`` sections: one entry per stage, sizes the backbone can take, sane rates."""
+    v, a = cfg.vision, cfg.augment
+    for key in ("vision.image_size", "vision.in_channels", "vision.patch_size", "vision.mlp_ratio"):
+        require(cfg, key, OmegaConf.select(cfg, key) > 0, "must be > 0")
+    require(cfg, "vision.num_classes", v.num_classes >= 0, "must be >= 0 (0: from the shards' manifest)")
+    require(cfg, "vision.drop_path", 0 <= v.drop_path < 1, "must be in [0, 1)")
+    stride = v.patch_size * 2 ** (VISION_STAGES - 1)
+    require(cfg, "vision.image_size", v.image_size % stride == 0,
+            f"must be a multiple of vision.patch_size·{2 ** (VISION_STAGES - 1)} = {stride} (the output stride)")
+    for key in ("vision.stage_dims", "vision.stage_depths", "vision.stage_heads", "vision.stage_mixers"):
+        require(cfg, key, len(OmegaConf.select(cfg, key)) == VISION_STAGES,
+                f"needs one entry per stage ({VISION_STAGES})")
+    for i, (dim, depth, heads) in enumerate(zip(v.stage_dims, v.stage_depths, v.stage_heads)):
+        require(cfg, f"vision.stage_dims[{i}]", dim > 0, "must be > 0")
+        require(cfg, f"vision.stage_depths[{i}]", depth > 0, "must be > 0")
+        require(cfg, f"vision.stage_heads[{i}]", heads > 0 and dim % heads == 0,
+                f"must be > 0 and divide vision.stage_dims[{i}] = {dim}")
 
-    A staged model (the vision backbone, ``stages`` of them) also takes a list with one such value per stage.
-    """
-    from .attention import REGISTRY, mixer_options
-
-    registered = ", ".join(sorted(REGISTRY)) or "none"
-    for name, options in model.mixer_options.items():
-        if name not in REGISTRY:
-            raise ConfigError(f"model.mixer_options.{name}", f"no mixer {name!r}; registered: {registered}")
-        known = mixer_options(name)
-        for option, value in options.items():
-            key = f"model.mixer_options.{name}.{option}"
-            if option not in known:
-                raise ConfigError(key, f"unknown option; {name!r} takes {sorted(known)}")
-            default = known[option]
-            per_stage = stages is not None and OmegaConf.is_list(value) and not isinstance(default, (list, tuple))
-            if per_stage and len(value) != stages:
-                raise ConfigError(key, f"a per-stage list needs {stages} entries, one per stage; got {len(value)}")
-            if not all(_same_type(v, default) for v in (value if per_stage else [value])):
-                per = " (or a list of them, one per stage)" if stages is not None else ""
-                raise ConfigError(key, f"{value!r} should be a {type(default).__name__}{per} like the default "
-                                       f"{default!r}")
-
-
-def _validate_mixers(model: DictConfig, seq_len: int, sequence_parallel: int) -> None:
-    """Every mixer the LM names is registered and causal and builds with its options (on the meta device); a mixer
-    with a longest sequence (``max_seq_len``, e.g. aft_full's position bias) covers ``train.seq_len``."""
-    import torch
-
-    from .attention import REGISTRY, build_mixer
-    from .models.lm import mixer_kwargs
-
-    registered = ", ".join(sorted(REGISTRY)) or "none"
-    named = [("model.mixer", model.mixer)]
-    named += [(f"model.layer_pattern[{i}]", name) for i, name in enumerate(model.layer_pattern)]
-    for key, name in named:
-        if name not in REGISTRY:
-            raise ConfigError(key, f"mixer {name!r} is not registered (yet); registered: {registered}")
-        if not REGISTRY[name].supports_causal:
-            raise ConfigError(key, f"mixer {name!r} has no causal form, and a causal LM needs one")
-    for name in dict.fromkeys(list(model.layer_pattern) or [model.mixer]):
-        try:
-            with torch.device("meta"):
-                mixer = build_mixer(name, model.dim, model.n_heads, causal=True, options=mixer_kwargs(model, name))
-        except (ValueError, TypeError) as err:
-            raise ConfigError(f"model.mixer_options.{name}", f"mixer {name!r} cannot be built: {err}") from None
-        if sequence_parallel > 1:
-            try:
-                mixer.check_sequence_parallel(sequence_parallel, seq_len // sequence_parallel)
-            except ValueError as err:
-                raise ConfigError("parallel.sequence_parallel", f"mixer {name!r} cannot split rows into "
-                                  f"{sequence_parallel} slices: {err}") from None
-        longest = getattr(mixer, "max_seq_len", None)
-        if longest is not None and seq_len > longest:
-            raise ConfigError(f"model.mixer_options.{name}.max_seq_len",
-                              f"{longest} is shorter than train.seq_len {seq_len}: {name!r} has no form beyond it")
-
-
-def _same_type(value: Any, default: Any) -> bool:
-    """Does ``value`` fit an option whose default is ``default``? Simple defaults only; the mixer checks the rest."""
-    if isinstance(default, bool):
-        return isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(default, (int, str)):
-        return type(value) is type(default)
-    return True
-
-
-def _resolve_vocab_size(cfg: DictConfig) -> None:
-    """Fill ``model.vocab_size`` from the tokenizer when 0; refuse an explicit size smaller than its vocabulary."""
-    if not Path(cfg.data.tokenizer).is_file():
-        return  # the dry run needs no tokenizer when vocab_size is given; build_lm refuses a 0 left here
-    import sentencepiece
-
-    try:
-        tokenizer_vocab = sentencepiece.SentencePieceProcessor(model_file=cfg.data.tokenizer).vocab_size()
-    except Exception as err:  # sentencepiece raises bare RuntimeErrors / OSErrors
-        raise ConfigError("data.tokenizer", f"cannot load sentencepiece model {cfg.data.tokenizer}: {err}") from None
-    if cfg.model.vocab_size == 0:
-        cfg.model.vocab_size = tokenizer_vocab
-    require(cfg, "model.vocab_size", cfg.model.vocab_size >= tokenizer_vocab,
-             f"{cfg.model.vocab_size} is smaller than the tokenizer's vocabulary ({tokenizer_vocab})")
+    lo, hi = (list(a.crop_scale) + [None, None])[:2]
+    require(cfg, "augment.crop_scale", len(a.crop_scale) == 2 and 0 < lo <= hi <= 1,
+            "must be two numbers [min, max] with 0 < min <= max <= 1")
+    require(cfg, "augment.mixup_alpha", a.mixup_alpha >= 0, "must be >= 0 (0: off)")
+    require(cfg, "augment.cutmix_alpha", a.cutmix_alpha >= 0, "must be >= 0 (0: off)")
+    require(cfg, "augment.label_smoothing", 0 <= a.label_smoothing < 1, "must be in [0, 1)")
+    require(cfg, "augment.eval_crop_ratio", 0 < a.eval_crop_ratio <= 1, "must be in (0, 1]")
 
 
 def require(cfg: DictConfig, key: str, ok: bool, message: str) -> None:

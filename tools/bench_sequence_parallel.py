@@ -36,7 +36,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from benchlib import resident_bytes
-    from pretrain.config import load_config
+    from pretrain.tasks.config_checks import load_run_config
     from pretrain.distributed import apply_sequence_parallel, close_process_group, init_process_group, split_sequences
     from pretrain.parallel import shard_rows
     from pretrain.tasks import build_model
@@ -52,7 +52,7 @@ def worker(args) -> None:
         setattr(dist, name, counted)
 
     torch.set_num_threads(1)
-    cfg = load_config(None, model_overrides(args))
+    cfg = load_run_config(None, model_overrides(args))
     world = split_sequences(init_process_group(), args.size)
     before = resident_bytes()
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchlib  # noqa: E402  (tools/, beside this script)
-from pretrain.config import load_config  # noqa: E402
+from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 from pretrain.models import build_vision_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def backbone_config(name: str, args):
     """The preset's run config with ``name``'s stage mixers and options (built directly, not through the loader's
     checks, which take one value per mixer option where the backbone also takes one per stage)."""
-    cfg = load_config(args.preset, [])
+    cfg = load_run_config(args.preset, [])
     mixers, options = BACKBONES[name]
     cfg.vision.stage_mixers = mixers
     cfg.model.mixer_options = {**cfg.model.mixer_options, **options}

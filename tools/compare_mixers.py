@@ -23,8 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pretrain.config import ConfigError, load_config  # noqa: E402
+from pretrain.config import ConfigError  # noqa: E402
 from pretrain.models import build_lm  # noqa: E402
+from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 
 COLUMNS = [("mixer", "{}"), ("params", "{:,}"), ("tokens", "{:,}"), ("train_s", "{:.0f}"), ("tokens_per_s", "{:.0f}"),
            ("val_ppl", "{:.1f}"), ("test_ppl", "{:.1f}"), ("word_ppl", "{:.0f}"), ("bits_per_byte", "{:.3f}")]
@@ -41,13 +42,13 @@ def run_logged(command: list[str], log: Path) -> float:
 
 
 def mixer_label(config_path: str, overrides: list[str]) -> str:
-    model = load_config(config_path, overrides).model
+    model = load_run_config(config_path, overrides).model
     return "+".join(model.layer_pattern) if model.layer_pattern else model.mixer
 
 
 def parameter_count(config_path: str, overrides: list[str]) -> int:
     with torch.device("meta"):
-        model = build_lm(load_config(config_path, overrides).model)
+        model = build_lm(load_run_config(config_path, overrides).model)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     _take_back_overrides(args, sys.argv[1:] if argv is None else argv, parser)
     for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
         try:
-            load_config(config_path, args.overrides)
+            load_run_config(config_path, args.overrides)
         except ConfigError as err:
             parser.error(f"--configs {config_path}: {err}")
     rows = []

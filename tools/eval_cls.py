@@ -26,12 +26,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     import torch
     from tqdm import tqdm
 
-    from pretrain.config import load_config
+    from pretrain.tasks.config_checks import load_run_config
     from pretrain.data.image_loader import ImageLoader
     from pretrain.tasks.vision import score_images
     from pretrain.train.checkpoint import load_trained_model
 
-    cfg = load_config(Path(args.run) / "config.yaml")  # checked before the weights are read
+    cfg = load_run_config(Path(args.run) / "config.yaml")  # checked before the weights are read
     if cfg.task != "vision":
         raise ValueError(f"--run {args.run} is a task {cfg.task!r} run; eval_cls scores vision runs "
                          "(tools/eval_ppl.py scores language models)")

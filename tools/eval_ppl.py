@@ -9,7 +9,7 @@
 
 Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (a shard
 directory, or ``.tar`` names and patterns) are read document by document. Every token, each document's end-of-sequence included, is scored
-once, with the same windows as the trainer's validation (``pretrain/train/evaluate.py``); ``--stride`` below
+once, with the same windows as the trainer's validation (``pretrain/tasks/lm_scoring.py``); ``--stride`` below
 ``--seq-len`` gives long documents overlapping context. Reported:
   tokens         scored tokens
   nll            mean negative log-likelihood per token (nats); ppl = exp(nll)
@@ -94,7 +94,7 @@ def score(args, model, cfg, checkpoint_path, world) -> dict:
     from tqdm import tqdm
 
     from pretrain.data import Tokenizer
-    from pretrain.train.evaluate import score_documents
+    from pretrain.tasks.lm_scoring import score_documents
 
     rank, device = world.data_rank, world.device
     seq_len = args.seq_len or cfg.train.seq_len

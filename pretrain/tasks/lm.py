@@ -1,7 +1,7 @@
 """The causal language model task: packed token rows from text shards, next-token loss, validation over documents.
 
 Validation scores the validation shards' documents (round-robin over ranks) exactly as ``tools/eval_ppl.py`` does
-(``pretrain.train.evaluate``), so the logged ``val/loss`` and eval_ppl's ``nll`` agree.
+(``pretrain.tasks.lm_scoring``), so the logged ``val/loss`` and eval_ppl's ``nll`` agree.
 """
 import math
 
@@ -11,9 +11,9 @@ from pretrain.config import ConfigError
 from pretrain.data import TokenLoader, Tokenizer
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import read_shard_documents
-from pretrain.train.evaluate import IGNORE, batch_nll, score_documents
 
 from . import build_model
+from .lm_scoring import IGNORE, batch_nll, score_documents
 
 
 class LMTask:

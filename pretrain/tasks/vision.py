@@ -8,6 +8,8 @@ draws come from this rank's own seeded generator, saved with the data stream, so
 
 ``score_images`` is the one definition of validation figures, shared by the trainer and ``tools/eval_cls.py``.
 """
+from itertools import islice
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from pretrain.config import ConfigError
+from pretrain.distributed.lockstep import until_every_rank_is_done
 
 from . import build_model
 
@@ -133,20 +136,11 @@ def score_images(model, batches, *, image_shape: tuple[int, int, int], device: t
     Under a process group every rank passes its own share and gets the totals over all ranks; a rank out of batches
     runs a blank image whose scores are dropped, since a ZeRO-3 forward is a collective call.
     """
-    distributed = dist.is_available() and dist.is_initialized()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # nll, top-1 hits, top-5 hits, images
-    batches, done = iter(batches), 0
-    while True:
-        batch = next(batches, None) if max_batches is None or done < max_batches else None
-        more = torch.tensor(batch is not None, dtype=torch.int32, device=device)
-        if distributed:
-            dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more:
-            break
+    for batch in until_every_rank_is_done(islice(batches, max_batches), device):
         if batch is None:
             model(torch.zeros(1, *image_shape, device=device))
             continue
-        done += 1
         labels = batch["labels"].to(device)
         logits = model(batch["images"].to(device)).float()
         top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
@@ -156,7 +150,7 @@ def score_images(model, batches, *, image_shape: tuple[int, int, int], device: t
                                torch.tensor(len(labels), dtype=torch.float64, device=device)])
         if progress is not None:
             progress.update(len(labels))
-    if distributed:
+    if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
     nll, top1, top5, images = totals.tolist()
     images = max(images, 1)  # an empty set scores 0, not a division error

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.engine import reapply_lr_schedule
+from ..tasks import build_model
+from ..tasks.config_checks import load_run_config
 
 TAG = re.compile(r"step(\d{8})")
 COMPLETE = "complete"  # marker file: every rank's files of the tag are on disk
@@ -170,11 +172,8 @@ def load_trained_model(run: Path, tag: str = "latest"):
     The model comes back in fp32 on CPU, in eval mode; ``tag="latest"`` follows the run's ``latest`` pointer.
     DeepSpeed's ``zero_to_fp32`` reports on stdout; that goes to stderr so a tool's stdout stays its results.
     """
-    from ..config import load_config
-    from ..tasks import build_model
-
     run = Path(run)
-    cfg = load_config(run / "config.yaml")
+    cfg = load_run_config(run / "config.yaml")
     ckpt_dir = run / "checkpoints"
     resolved = latest_tag(ckpt_dir) if tag == "latest" else tag
     if resolved is None:

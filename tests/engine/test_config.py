@@ -8,14 +8,15 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from pretrain.attention import REGISTRY
-from pretrain.config import ConfigError, load_config, save_config
+from pretrain.config import ConfigError, save_config
+from pretrain.tasks.config_checks import load_run_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DATA = ["data.tokenizer=tok.model", "data.train_shards=shards/shard-{000000..000003}.tar"]
 
 
 def load(*overrides, path=None):
-    return load_config(path, [*DATA, *overrides])
+    return load_run_config(path, [*DATA, *overrides])
 
 
 def refused(key, *overrides, path=None):
@@ -59,7 +60,7 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("**/*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_shipped_configs_load(path):
-    cfg = load_config(path, [])
+    cfg = load_run_config(path, [])
     assert cfg.task in ("lm", "vision") and cfg.train.max_steps > 0
 
 
@@ -104,20 +105,20 @@ def test_override_without_equals_sign_is_refused():
 
 def test_missing_values_name_the_key():
     with pytest.raises(ConfigError, match="data.train_shards: no value given"):
-        load_config(None, ["data.tokenizer=tok.model"])
+        load_run_config(None, ["data.tokenizer=tok.model"])
 
 
 def test_bad_files_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
-        load_config(tmp_path / "absent.yaml", [])
+        load_run_config(tmp_path / "absent.yaml", [])
     broken = tmp_path / "broken.yaml"
     broken.write_text("model: {dim: [64\n")
     with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
-        load_config(broken, [])
+        load_run_config(broken, [])
     listing = tmp_path / "list.yaml"
     listing.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="list.yaml: the top level"):
-        load_config(listing, [])
+        load_run_config(listing, [])
 
 
 def test_unknown_key_in_yaml_names_key_and_file(tmp_path):
@@ -184,12 +185,12 @@ def test_a_mixer_shorter_than_the_sequence_is_refused_at_load_time():
 
 
 def test_vocab_size_comes_from_the_tokenizer(tokenizer):
-    cfg = load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar"])
+    cfg = load_run_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar"])
     assert cfg.model.vocab_size == 40
-    assert load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar",
+    assert load_run_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar",
                               "model.vocab_size=64"]).model.vocab_size == 64  # padded up is fine
     with pytest.raises(ConfigError, match="model.vocab_size: 32 is smaller than the tokenizer's vocabulary"):
-        load_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar", "model.vocab_size=32"])
+        load_run_config(None, [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar", "model.vocab_size=32"])
     assert load().model.vocab_size == 0  # no tokenizer file: left for build_lm to refuse
 
 
@@ -197,18 +198,18 @@ def test_a_file_that_is_not_a_tokenizer_names_the_key(tmp_path):
     junk = tmp_path / "junk.model"
     junk.write_bytes(b"not a sentencepiece model")
     with pytest.raises(ConfigError, match="data.tokenizer: cannot load"):
-        load_config(None, [f"data.tokenizer={junk}", "data.train_shards=x.tar"])
+        load_run_config(None, [f"data.tokenizer={junk}", "data.train_shards=x.tar"])
 
 
 def test_saved_config_reloads_identically_and_atomically(tmp_path, tokenizer):
     overrides = [f"data.tokenizer={tokenizer}", "model.dim=64", "run.dir=${model.mixer}"]
-    cfg = load_config(CONFIGS / "tiny_lm.yaml", overrides)
+    cfg = load_run_config(CONFIGS / "tiny_lm.yaml", overrides)
     path = tmp_path / "run" / "config.yaml"
     save_config(cfg, path)
     assert [p.name for p in path.parent.iterdir()] == ["config.yaml"]  # no temporary file left behind
     assert "vocab_size: 40" in path.read_text()  # the resolved value, for eval tools that read it back
-    assert load_config(path, []) == cfg
-    assert OmegaConf.to_container(load_config(path, [])) == OmegaConf.to_container(cfg)
+    assert load_run_config(path, []) == cfg
+    assert OmegaConf.to_container(load_run_config(path, [])) == OmegaConf.to_container(cfg)
 
 
 # ---------------------------------------------------------------- task: vision
@@ -217,7 +218,7 @@ VISION = ["task=vision", "data.train_shards=shards/train", "vision.num_classes=1
 
 
 def load_vision(*overrides):
-    return load_config(None, [*VISION, *overrides])
+    return load_run_config(None, [*VISION, *overrides])
 
 
 def refused_vision(key, *overrides):
@@ -233,7 +234,7 @@ def test_a_vision_config_needs_no_tokenizer_and_keeps_its_sections():
     assert list(cfg.vision.stage_mixers) == ["linear", "inline", "soft", "aft_conv"]
     assert cfg.augment.mixup_alpha == 0.8 and list(cfg.augment.crop_scale) == [0.08, 1.0]
     with pytest.raises(ConfigError, match="data.tokenizer: no value given"):  # the LM still needs one
-        load_config(None, ["data.train_shards=x.tar"])
+        load_run_config(None, ["data.train_shards=x.tar"])
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -283,7 +284,7 @@ def test_num_classes_comes_from_the_shards_manifest(tmp_path):
     shards.mkdir()
     (shards / "manifest.json").write_text('{"classes": ["cat", "dog", "frog"], "files": []}')
     for train_shards in (str(shards), str(shards / "shard-{000000..000009}.tar")):
-        cfg = load_config(None, ["task=vision", f"data.train_shards={train_shards}"])
+        cfg = load_run_config(None, ["task=vision", f"data.train_shards={train_shards}"])
         assert cfg.vision.num_classes == 3
     assert "3 classes" in refused_vision("vision.num_classes", f"data.train_shards={shards}", "vision.num_classes=2")
     message = refused_vision("data.train_shards", f"data.train_shards={tmp_path / 'none'}", "vision.num_classes=0")

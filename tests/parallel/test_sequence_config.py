@@ -1,7 +1,8 @@
 """What sequence parallelism refuses at config load (each naming the key and why), and the dry run's memory."""
 import pytest
 
-from pretrain.config import ConfigError, load_config
+from pretrain.config import ConfigError
+from pretrain.tasks.config_checks import load_run_config
 from pretrain.estimate import estimate
 
 BASE = ["data.tokenizer=none.model", "data.train_shards=none", "model.vocab_size=512", "model.dim=64",
@@ -9,7 +10,7 @@ BASE = ["data.tokenizer=none.model", "data.train_shards=none", "model.vocab_size
 
 
 def config(*overrides):
-    return load_config(None, [*BASE, *overrides])
+    return load_run_config(None, [*BASE, *overrides])
 
 
 @pytest.mark.parametrize("overrides,reason", [
@@ -32,7 +33,7 @@ def test_impossible_splits_are_refused_naming_the_key(overrides, reason):
 
 def test_vision_has_no_rows_to_split():
     with pytest.raises(ConfigError, match="parallel.sequence_parallel.*task vision"):
-        load_config("configs/vision/linear_tiny.yaml", ["parallel.sequence_parallel=2"])
+        load_run_config("configs/vision/linear_tiny.yaml", ["parallel.sequence_parallel=2"])
 
 
 def test_dry_run_measures_a_ranks_slice():

@@ -102,7 +102,7 @@ def test_eval_ppl_split_over_two_sequence_ranks_agrees_with_one_process(runs, lm
 
     from pretrain.data.text_shards import read_shard_documents
     from pretrain.data.shards import expand_shards
-    from pretrain.train.evaluate import IGNORE, packed_rows
+    from pretrain.tasks.lm_scoring import IGNORE, packed_rows
 
     from launching import PYTHON, REPO
 

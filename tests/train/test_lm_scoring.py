@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from pretrain.config import ModelConfig, load_config
+from pretrain.config import ModelConfig
 from pretrain.data.shards import ShardError
 from pretrain.distributed.process_group import World
 from pretrain.models import build_lm
+from pretrain.tasks.config_checks import load_run_config
 from pretrain.tasks.lm import LMTask
-from pretrain.train.evaluate import (IGNORE, POSITION_BUCKETS, batch_nll, document_windows, position_bucket,
+from pretrain.tasks.lm_scoring import (IGNORE, POSITION_BUCKETS, batch_nll, document_windows, position_bucket,
                                      score_documents)
 
 EOS = 3
@@ -110,7 +111,7 @@ def test_trainer_validation_refuses_a_damaged_shard_naming_it(lm_data, tmp_path)
     data = bytearray(damaged.read_bytes())
     data[512 + 1] ^= 0x01  # a token of the first document: the tar still parses
     damaged.write_bytes(bytes(data))
-    cfg = load_config("configs/tiny_lm.yaml", [f"data.tokenizer={lm_data['tokenizer']}",
+    cfg = load_run_config("configs/tiny_lm.yaml", [f"data.tokenizer={lm_data['tokenizer']}",
                                                f"data.train_shards={lm_data['train_shards']}",
                                                f"data.val_shards={val}", "data.num_workers=0"])
     task = LMTask(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))

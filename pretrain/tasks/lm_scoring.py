@@ -1,4 +1,5 @@
-"""Scoring documents with a causal LM: the one definition of validation loss, shared by the trainer and eval_ppl.
+"""Scoring documents with a causal LM: the one definition of validation loss, shared by the LM task (validation
+and its training loss, ``batch_nll``) and ``tools/eval_ppl.py``.
 
 Every token of every document (its final end-of-sequence included) is scored exactly once. The first token is
 predicted from a lone ``eos`` (the end of "the previous document"), as in a packed training stream. A document
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pretrain.distributed.lockstep import until_every_rank_is_done
 from pretrain.parallel import SequenceShard, shard_rows
 
 IGNORE = -100
@@ -137,22 +139,15 @@ def score_documents(model: Callable, documents: Iterable[np.ndarray], *, seq_len
     """
     local = islice(batches(packed_rows(documents, seq_len=seq_len, stride=stride, eos_id=eos_id), batch_size),
                    max_batches)
-    distributed = dist.is_available() and dist.is_initialized()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # on the device: nccl reduces only there
     buckets = torch.zeros(POSITION_BUCKETS, 2, dtype=torch.float64, device=device) if by_position else None
-    while True:
-        batch = next(local, None)
-        more = torch.tensor(batch is not None, dtype=torch.int32, device=device)
-        if distributed:
-            dist.all_reduce(more, op=dist.ReduceOp.MAX)
-        if not more:
-            break
+    for batch in until_every_rank_is_done(local, device):
         batch = batch if batch is not None else empty_batch(batch_size, seq_len)
         nll, scored = batch_nll(model, batch, device, buckets, sequence)
         totals += torch.stack([nll.double(), torch.tensor(scored, dtype=torch.float64, device=device)])
         if progress is not None:
             progress.update(scored)
-    if distributed:
+    if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals)
         if buckets is not None:
             dist.all_reduce(buckets)
