@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention
-from ..parallel import gather_positions
+from ..parallel import gather_positions, slice_layout
 from .base import Mixer
 from .registry import register
 
@@ -58,6 +58,7 @@ class SoftmaxAttention(Mixer):
         from deepspeed.sequence.layer import DistributedAttention
 
         shard = self.sequence
+        slice_layout(position_ids)  # refuses a slice without position ids
         whole = cu_seqlens_from_position_ids(gather_positions(position_ids, shard))
 
         def attend(q, k, v):  # [B, T, H/N, D], whole rows

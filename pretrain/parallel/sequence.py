@@ -86,7 +86,10 @@ class SliceLayout:
     first_doc: torch.Tensor  # [B] long: each row's first document in the packed layout (cu_seqlens over B·T)
 
 
-def slice_layout(position_ids: torch.Tensor) -> SliceLayout:
+def slice_layout(position_ids: torch.Tensor | None) -> SliceLayout:
+    if position_ids is None:
+        raise ValueError("a mixer on a sequence slice needs position_ids (each token's position in its document): "
+                         "without them a slice cannot tell whether its first document began on an earlier rank")
     starts = position_ids == 0
     index = torch.arange(position_ids.shape[1], device=position_ids.device)
     last_start = torch.where(starts, index, 0).amax(dim=1)
