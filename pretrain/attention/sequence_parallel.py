@@ -5,11 +5,11 @@ A mixer on a slice computes the state its slice hands on (its op's ``state of to
 ranks' states (the op's combine rule) for each row's first document where it continues, the op's empty state for
 every other document. ``pretrain.parallel`` holds the collectives; each op module holds its state and combine rule.
 """
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..ops.linear_attention.state import LinearAttentionState, combine_states, state_of_tokens
+from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
 from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
 from ..parallel.sequence import Combine, SliceLayout
 
@@ -36,20 +36,31 @@ def from_previous_rank(gathered: torch.Tensor, shard: SequenceShard) -> torch.Te
     return gathered[max(shard.rank - 1, 0)]
 
 
+def states_entering_slice(k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard, *,
+                          state_of: Callable, combine: Combine, empty: Sequence[float], num_docs: int,
+                          shared: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """For an op on a slice (``k``, ``v`` packed ``[1, B·T, ...]``, ``position_ids [B, T]``): the initial state of
+    each packed document, from ``state_of(k, v, mask)`` (the state of the masked tokens of each row ``[B, T, ...]``,
+    as a list of fields) and the op's ``combine``; and the gathered ``shared`` tensors."""
+    layout = slice_layout(position_ids)
+    rows = position_ids.shape
+    handed_on = state_of(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), layout.tail)
+    return entering_states(handed_on, layout, shard, combine, empty, num_docs, shared=shared)
+
+
 def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard,
                               normalize: str, num_docs: int, *, shared: Sequence[torch.Tensor] = ()
                               ) -> tuple[LinearAttentionState, list[torch.Tensor]]:
-    """For linear attention on a slice (``k``, ``v`` packed ``[1, B·T, H, D]``, ``position_ids [B, T]``): the
-    initial state of each packed document, and the gathered ``shared`` tensors."""
-    layout = slice_layout(position_ids)
-    rows = position_ids.shape
-    handed_on = state_of_tokens(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), layout.tail,
-                                normalize)
-    fields = [field for field in handed_on if field is not None]
+    """``states_entering_slice`` for linear attention: sums, whose empty state is zeros."""
+
+    def state_of(k, v, mask):
+        return [field for field in state_of_tokens(k, v, mask, normalize) if field is not None]
 
     def combine(earlier, later):
         return [field for field in combine_states(LinearAttentionState(*earlier), LinearAttentionState(*later))
                 if field is not None]
 
-    initial, shared = entering_states(fields, layout, shard, combine, [0.0] * len(fields), num_docs, shared=shared)
+    fields = len(FIELDS[normalize])
+    initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
+                                            empty=[0.0] * fields, num_docs=num_docs, shared=shared)
     return LinearAttentionState(*initial), shared
