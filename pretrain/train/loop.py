@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,43 +41,49 @@ class Counters:
     nonfinite_in_a_row: int = 0
 
 
-def _all_ranks_mean(value: torch.Tensor, world: World) -> torch.Tensor:
-    value = value.detach().float().clone()
-    dist.all_reduce(value)
-    return value / world.world_size
+class StepResult(NamedTuple):
+    loss: torch.Tensor | None  # this rank's loss averaged over the step's micro-batches, on the device; None: skipped
+    grad_norm: float | None    # the global gradient norm before clipping; None when skipped
+    stop: bool                 # a rank got a stop signal: every rank leaves the loop after this step
 
 
-def train_step(engine, task, batches, world: World, accum: int) -> tuple[float | None, float | None]:
-    """One optimizer step over ``accum`` micro-batches: (loss averaged over ranks and micro-batches, grad norm).
+def train_step(engine, task, batches, world: World, accum: int, stop: StopRequest) -> StepResult:
+    """One optimizer step over ``accum`` micro-batches, with one collective and one host read for the whole step.
 
-    A non-finite loss on any rank skips the step (no backward, no update, remaining micro-batches drawn unused so
-    the data stream stays step-aligned) and returns ``(None, None)``. Gradients already accumulated by earlier
-    micro-batches of the step cannot be dropped through DeepSpeed's API, so a non-finite loss there stops the run.
+    After the first micro-batch's forward and before any backward, a single all-reduce of a two-flag tensor asks
+    whether any rank's loss is non-finite and whether any rank got a stop signal. A non-finite loss skips the step
+    (no backward, no update; the remaining micro-batches are drawn unused so the data stream stays step-aligned).
+    The losses stay on the device; ``Trainer.log`` averages them over ranks when it logs. A non-finite loss in a
+    later micro-batch of an accumulated step cannot be withdrawn (DeepSpeed has no API to drop accumulated
+    gradients): its gradients make the step's gradient norm non-finite, which counts as a non-finite step.
     """
-    total, grad_norm = 0.0, None
+    loss = _mean_loss(engine, task, next(batches), world.device)
+    flags = torch.stack([~torch.isfinite(loss.detach()), torch.tensor(stop.requested, device=world.device)]).int()
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, stopping = flags.tolist()
+    if nonfinite:
+        for _ in range(accum - 1):
+            next(batches)
+        return StepResult(None, None, bool(stopping))
+    total, grad_norm = torch.zeros((), device=world.device), None
     for micro in range(accum):
-        batch = next(batches)
-        loss_sum, count = task.loss(engine, batch, world.device)
-        loss = loss_sum / count
-        mean_loss = _all_ranks_mean(loss, world).item()
-        if not math.isfinite(mean_loss):
-            if micro > 0:
-                raise NonFiniteLossError(f"non-finite loss in micro-batch {micro} of an accumulated step; its earlier"
-                                         " micro-batches' gradients cannot be dropped")
-            for _ in range(accum - 1):
-                next(batches)
-            return None, None
+        if micro > 0:
+            loss = _mean_loss(engine, task, next(batches), world.device)
+        total += loss.detach()
         engine.backward(loss)
         grad_norm = step_with_grad_norm(engine)
-        total += mean_loss
-    return total / accum, grad_norm
+    return StepResult(total / accum, grad_norm, bool(stopping))
 
 
-def _stop_requested(stop: StopRequest, world: World) -> bool:
-    """Whether any rank got a signal: all ranks must agree to leave the loop at the same step."""
-    flag = torch.tensor(int(stop.requested), device=world.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag)
+def _mean_loss(engine, task, batch, device) -> torch.Tensor:
+    loss_sum, count = task.loss(engine, batch, device)
+    return loss_sum / count
+
+
+def _mean_over_ranks(value: torch.Tensor, world: World) -> float:
+    value = value.detach().float().clone()
+    dist.all_reduce(value)
+    return value.item() / world.world_size
 
 
 class Throughput:
@@ -174,7 +181,10 @@ class Trainer:
                 f"{c.step}; stopping. The last good checkpoint is "
                 f"{self.ckpt_dir / latest if latest else 'none (no checkpoint was saved yet)'}")
 
-    def log(self, loss: float, grad_norm: float, lr: float) -> None:
+    def log(self, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
+        """Every training metric of this step; ``loss`` (this rank's, on the device) is averaged over ranks here,
+        the only place a training loss is read on the host."""
+        loss = _mean_over_ranks(loss, self.world)
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, **self.throughput.report(),
                   "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.task.epoch,
                   f"train/{self.task.unit}_seen": self.counters.units_seen,
@@ -205,7 +215,8 @@ class Trainer:
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
             lr = self.engine.get_lr()[0]
-            loss, grad_norm = train_step(self.engine, self.task, batches, world, cfg.train.grad_accum_steps)
+            loss, grad_norm, stopping = train_step(self.engine, self.task, batches, world, cfg.train.grad_accum_steps,
+                                                   stop)
             c.step += 1
             c.units_seen += self.units_per_step
             self.throughput.steps += 1
@@ -216,7 +227,6 @@ class Trainer:
                 if c.step % cfg.log.every == 0:
                     self.log(loss, grad_norm, lr)
 
-            stopping = _stop_requested(stop, world)
             validating = self.task.has_validation and c.step % cfg.log.val_every == 0
             saving = c.step % cfg.checkpoint.every == 0 or c.step == cfg.train.max_steps or stopping
             if validating:

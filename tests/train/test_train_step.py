@@ -1,0 +1,80 @@
+"""One training step on a real DeepSpeed engine (one gloo rank, in a spawned process so the test process keeps no
+process group): one collective per step whatever the accumulation, a non-finite first loss skips the update, the
+stop flag rides along, and the returned loss is the micro-batches' mean."""
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.dist
+
+
+class SquaredOutput:
+    """The smallest task the step needs: ``loss`` sums the model's squared outputs over a batch of rows."""
+
+    def loss(self, model, batch, device):
+        return model(batch.to(device)).square().sum(), batch.shape[0]
+
+
+def _check_steps(out) -> None:
+    import torch.distributed as dist
+
+    from pretrain.config import load_config
+    from pretrain.distributed import build_engine, close_process_group, init_process_group
+    from pretrain.train.loop import train_step
+    from pretrain.train.preemption import StopRequest
+
+    world = init_process_group()
+    try:
+        results = {}
+        for accum in (1, 3):
+            cfg = load_config(None, ["data.tokenizer=x", "data.train_shards=x", f"train.grad_accum_steps={accum}",
+                                     "train.micro_batch_size=2", "schedule.warmup_steps=0", "optim.weight_decay=0"])
+            torch.manual_seed(0)
+            model = torch.nn.Linear(4, 3)
+            engine = build_engine(cfg, model, 1, lambda step: 1e-2)
+            rows = [torch.randn(2, 4) for _ in range(accum)]
+            expected = sum(model(r).square().sum() / 2 for r in rows).item() / accum
+
+            calls, real = [], dist.all_reduce
+
+            def counted(*args, **kwargs):
+                calls.append(args)
+                return real(*args, **kwargs)
+
+            dist.all_reduce = counted
+            try:
+                stop = StopRequest()
+                step = train_step(engine, SquaredOutput(), iter(rows), world, accum, stop)
+                collectives = len(calls)
+                before = model.weight.detach().clone()
+                poisoned = iter([torch.full((2, 4), float("inf"))] + [torch.randn(2, 4) for _ in range(accum)])
+                stop.requested = True
+                skipped = train_step(engine, SquaredOutput(), poisoned, world, accum, stop)
+                left = len(list(poisoned))
+            finally:
+                dist.all_reduce = real
+            results[accum] = dict(loss=step.loss.item(), expected=expected, grad_norm=step.grad_norm,
+                                  stop=step.stop, collectives=collectives, skipped=skipped.loss is None,
+                                  skipped_norm=skipped.grad_norm, skipped_stop=skipped.stop, left=left,
+                                  unchanged=bool(torch.equal(before, model.weight.detach())))
+        out.put(results)
+    finally:
+        close_process_group()
+
+
+def test_one_collective_per_step_and_a_nonfinite_first_loss_skips_the_update():
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    process = context.Process(target=_check_steps, args=(out,))
+    process.start()
+    results = out.get(timeout=300)
+    process.join(timeout=60)
+    assert process.exitcode == 0
+    one, three = results[1], results[3]
+    assert one["collectives"] == three["collectives"]  # accumulating 3 micro-batches adds no collective
+    for accum, r in results.items():
+        assert r["loss"] == pytest.approx(r["expected"], rel=1e-6), accum
+        assert r["grad_norm"] is not None and r["grad_norm"] > 0 and not r["stop"]
+        assert r["skipped"] and r["skipped_norm"] is None and r["skipped_stop"]  # the stop flag came along
+        assert r["unchanged"]  # no update from the skipped step
+        assert r["left"] == 1  # the skipped step drew all its accum micro-batches, no more
