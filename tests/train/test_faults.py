@@ -129,3 +129,44 @@ def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data,
     assert max(read_metrics(run)) >= 4  # it failed mid-run, after steps and checkpoints
     ckpts = run / "checkpoints"
     assert checkpoint.partial_tags(ckpts) == [] and checkpoint.latest_tag(ckpts) == complete_tags(ckpts)[-1]
+
+
+def wchan(pid: int) -> str:
+    """Where in the kernel a process waits (opening a FIFO nobody reads: ``wait_for_partner``, or ``fifo_open``)."""
+    try:
+        return Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return ""
+
+
+def test_a_kill_during_a_save_leaves_a_partial_tag_the_relaunch_removes_and_resumes_exactly(lm_data, tmp_path):
+    """A FIFO in place of the next tag's client-state file holds the trainer inside that save (DeepSpeed's files
+    written, its own not) until it is SIGKILLed with its worker: a real partial tag. The relaunch must remove it and
+    resume from the last complete checkpoint, logging what an uninterrupted run logs, bit for bit."""
+    overrides = dict(data__num_workers=1, train__max_steps=20, checkpoint__every=5, log__val_every=10)
+    reference = tmp_path / "reference"
+    launch_run = start(tiny_overrides(lm_data, reference, **overrides))
+    assert finish(launch_run, timeout=300) and launch_run.returncode == 0
+
+    run = tmp_path / "run"
+    process = start(tiny_overrides(lm_data, run, **overrides))
+    ckpts = run / "checkpoints"
+    wait_for(lambda: checkpoint.latest_tag(ckpts) == "step00000010", process, "checkpoint at step 10")
+    (ckpts / "step00000015").mkdir()
+    os.mkfifo(ckpts / "step00000015" / "client_state_rank00000.tmp")
+    wait_for(lambda: wchan(process.pid) in ("wait_for_partner", "fifo_open"), process, "save of step 15")
+    assert (ckpts / "step00000015" / "mp_rank_00_model_states.pt").exists()
+    kill_session(process)
+    process.communicate(timeout=30)
+    assert checkpoint.partial_tags(ckpts) == ["step00000015"] and checkpoint.latest_tag(ckpts) == "step00000010"
+
+    relaunch = start(tiny_overrides(lm_data, run, **overrides))
+    output = finish(relaunch, timeout=300)
+    assert relaunch.returncode == 0, output[-4000:]
+    assert f"removed partial checkpoint {ckpts / 'step00000015'}" in output, output[-4000:]
+    assert f"resumed from {ckpts / 'step00000010'} at step 10" in output, output[-4000:]
+    expected, resumed = read_metrics(reference), read_metrics(run)
+    for key in ("train/loss", "train/grad_norm"):
+        assert [resumed[s][key] for s in range(1, 21)] == [expected[s][key] for s in range(1, 21)], key
+    assert resumed[20]["val/loss"] == expected[20]["val/loss"]
+    assert complete_tags(ckpts) == ["step00000015", "step00000020"] and checkpoint.partial_tags(ckpts) == []
