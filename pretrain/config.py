@@ -52,7 +52,7 @@ class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps 
 @dataclass
 class DataConfig:
     tokenizer: str | None = MISSING  # PREFIX.model, a sentencepiece model (task lm; a vision run needs none)
-    train_shards: str = MISSING  # webdataset pattern, brace expansion ok
+    train_shards: str | None = MISSING  # webdataset pattern, brace expansion ok (task recall generates its rows)
     val_shards: str | None = None
     allow_pipe: bool = False  # pipe: URLs run shell commands; refused unless true
     shuffle_buffer: int = 1000
@@ -144,8 +144,15 @@ class AugmentConfig:  # task vision: training augmentation and loss smoothing
 
 
 @dataclass
+class RecallConfig:  # task recall: MQAR rows of train.seq_len tokens, generated from run.seed (pretrain/data/mqar.py)
+    vocab_size: int = 8192  # keys from the lower half, values from the upper; model.vocab_size 0 → this
+    num_pairs: int = 16  # key-value pairs per row, each queried once after them (needs train.seq_len >= 4·num_pairs)
+    query_power: float = 0.01  # query gaps drawn ∝ gap^(power−1) as in Zoology: small → queries soon after the pairs
+
+
+@dataclass
 class Config:
-    task: str = "lm"  # lm (causal language model) | vision (image classification)
+    task: str = "lm"  # lm (causal language model) | vision (image classification) | recall (MQAR, a causal LM)
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -158,10 +165,11 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
 
 
 CHOICES = {
-    "task": ("lm", "vision"),
+    "task": ("lm", "vision", "recall"),
     "schedule.name": ("cosine", "wsd", "constant"),
     "deepspeed.precision": ("fp32", "bf16", "fp16"),
 }
@@ -183,6 +191,10 @@ def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -
         raise ConfigError(_key_of(err), f"cannot resolve interpolation: {str(err.msg).splitlines()[0]}") from None
     if cfg.task == "vision" and OmegaConf.is_missing(cfg.data, "tokenizer"):
         cfg.data.tokenizer = None  # images need no tokenizer
+    if cfg.task == "recall":  # generated rows of token ids: neither a tokenizer nor shards
+        for key in ("tokenizer", "train_shards"):
+            if OmegaConf.is_missing(cfg.data, key):
+                cfg.data[key] = None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(missing[0], f"no value given (missing: {', '.join(missing)}); set it as {missing[0]}=...")
@@ -268,8 +280,9 @@ def _validate(cfg: DictConfig) -> None:
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
 
     model = cfg.model
-    if cfg.task == "lm":
-        require(cfg, "data.tokenizer", cfg.data.tokenizer is not None, "task lm needs a sentencepiece model")
+    if cfg.task in ("lm", "recall"):  # both are causal LMs
+        require(cfg, "data.tokenizer", cfg.task != "lm" or cfg.data.tokenizer is not None,
+                "task lm needs a sentencepiece model")
         require(cfg, "model.n_heads", model.dim % model.n_heads == 0,
                  f"model.dim {model.dim} must be divisible by model.n_heads {model.n_heads}")
         require(cfg, "model.layer_pattern",

@@ -22,6 +22,10 @@ def build_task(cfg: DictConfig, world):
         from .vision import VisionTask
 
         return VisionTask(cfg, world)
+    if cfg.task == "recall":
+        from .recall import RecallTask
+
+        return RecallTask(cfg, world)
     from .lm import LMTask
 
     return LMTask(cfg, world)

@@ -19,6 +19,7 @@ from pretrain.data import Tokenizer
 from pretrain.data.shards import ShardError, load_manifest
 from pretrain.models.lm import mixer_kwargs
 from pretrain.models.vision import build_vision_model, stage_options
+from pretrain.tasks.recall import check_recall_config
 
 
 def load_run_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> DictConfig:
@@ -35,6 +36,10 @@ def check_run_config(cfg: DictConfig) -> None:
         check_mixer_options(cfg.model)
         _check_lm_mixers(cfg)
         _resolve_vocab_size(cfg)
+    elif cfg.task == "recall":  # a causal LM on generated MQAR rows
+        check_mixer_options(cfg.model)
+        _check_lm_mixers(cfg)
+        check_recall_config(cfg)
     else:
         check_mixer_options(cfg.model, stages=VISION_STAGES)
         _check_stage_mixers(cfg)
@@ -93,7 +98,8 @@ def _check_lm_mixers(cfg: DictConfig) -> None:
     for name in dict.fromkeys(list(model.layer_pattern) or [model.mixer]):
         try:
             with torch.device("meta"):
-                mixer = build_mixer(name, model.dim, model.n_heads, causal=True, options=mixer_kwargs(model, name))
+                mixer = build_mixer(name, model.dim, model.n_heads, causal=True,
+                                    options=mixer_kwargs(OmegaConf.to_object(model), name))
         except (ValueError, TypeError) as err:
             raise ConfigError(f"model.mixer_options.{name}", f"mixer {name!r} cannot be built: {err}") from None
         if sequence_parallel > 1:
@@ -131,7 +137,8 @@ def _check_stage_mixers(cfg: DictConfig) -> None:
                               f"mixer {name!r} is not registered; registered: {', '.join(sorted(REGISTRY))}")
         try:
             with torch.device("meta"):
-                build_mixer(name, dim, heads, causal=False, options=stage_options(cfg.model, name, i, VISION_STAGES))
+                options = stage_options(OmegaConf.to_object(cfg.model), name, i, VISION_STAGES)
+                build_mixer(name, dim, heads, causal=False, options=options)
         except (ValueError, TypeError) as err:
             raise ConfigError(f"model.mixer_options.{name}",
                               f"mixer {name!r} cannot be built for stage {i} (dim {dim}, {heads} heads): {err}"
@@ -164,6 +171,6 @@ def _build_backbone_on_meta(cfg: DictConfig) -> None:
     """The whole backbone on the meta device: shapes only, no memory; what the stage checks missed fails here."""
     try:
         with torch.device("meta"):
-            build_vision_model(cfg)
+            build_vision_model(OmegaConf.to_object(cfg.vision), OmegaConf.to_object(cfg.model))
     except (ValueError, TypeError) as err:
         raise ConfigError("vision", f"the backbone cannot be built: {err}") from None

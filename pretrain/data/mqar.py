@@ -1,0 +1,119 @@
+"""Multi-query associative recall (MQAR; Arora et al., "Zoology", arXiv 2312.04927), generated on the fly.
+
+A row of ``seq_len`` tokens opens with ``num_pairs`` key–value pairs ``k1 v1 k2 v2 …`` (keys drawn without
+replacement from ``[1, vocab_size/2)``, values from ``[vocab_size/2, vocab_size)``); after them every key comes back
+once as a query, and the label at a query is its value. Only those labels are scored (−100 elsewhere), so loss and
+accuracy measure recall alone. Everything else after the pairs is noise drawn from the whole vocabulary. As in
+Zoology, the queries sit at even offsets ``2g`` after the pairs, the gaps ``g`` drawn without replacement with
+probability ∝ (g+1)^(query_power − 1): a small power puts most queries soon after the pairs, 1 spreads them evenly.
+
+Batch ``b`` of rank ``r`` comes from its own generator, seeded by (split, seed, world_size, r, b): a stream is fixed
+by its seed and rank, and resuming needs only the number of batches handed out.
+"""
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from pretrain.data.stream import check_at_least, check_split
+
+IGNORE = -100
+SPLITS = {"train": 0, "val": 1, "test": 2}  # disjoint generator streams for the same seed
+
+
+class MQARSettingError(ValueError):
+    """An impossible MQAR setting; ``arg`` is the argument at fault (callers map it to their config key)."""
+
+    def __init__(self, arg: str, message: str):
+        super().__init__(f"{arg}: {message}")
+        self.arg = arg
+
+
+def check_mqar(*, vocab_size: int, seq_len: int, num_pairs: int, query_power: float) -> None:
+    """Refuse settings with too few keys, values or query slots, naming the argument to change."""
+    check_at_least(num_pairs=(num_pairs, 1))
+    keys, values = vocab_size // 2 - 1, vocab_size - vocab_size // 2
+    if min(keys, values) < num_pairs:
+        raise MQARSettingError("vocab_size", f"{vocab_size} gives {keys} keys and {values} values, fewer than "
+                                             f"num_pairs={num_pairs} distinct ones; use at least {2 * num_pairs + 2}")
+    if seq_len < 4 * num_pairs:
+        raise MQARSettingError("seq_len", f"{seq_len} holds the {num_pairs} pairs but not a query slot for each of "
+                                          f"them; use at least 4·num_pairs = {4 * num_pairs}")
+    if not query_power > 0:
+        raise MQARSettingError("query_power", f"must be > 0 (1 spreads queries evenly), got {query_power}")
+
+
+def mqar_rows(rng: np.random.Generator, rows: int, *, vocab_size: int, seq_len: int, num_pairs: int,
+              query_power: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(inputs, labels)``, int64 ``[rows, seq_len]``: labels are −100 except each query's value."""
+    half, n = vocab_size // 2, num_pairs
+    slots = (seq_len - 2 * n) // 2
+    keys = 1 + _without_replacement(rng, np.zeros(half - 1), rows, n)
+    values = half + _without_replacement(rng, np.zeros(vocab_size - half), rows, n)
+    weights = np.log(query_power) + (query_power - 1) * np.log(np.arange(1, slots + 1))
+    query_at = 2 * n + 2 * _without_replacement(rng, weights, rows, n)
+
+    inputs = rng.integers(0, vocab_size, (rows, seq_len))
+    inputs[:, 0:2 * n:2], inputs[:, 1:2 * n:2] = keys, values
+    labels = np.full((rows, seq_len), IGNORE, dtype=np.int64)
+    np.put_along_axis(inputs, query_at, keys, axis=1)
+    np.put_along_axis(labels, query_at, values, axis=1)
+    return inputs, labels
+
+
+def _without_replacement(rng: np.random.Generator, log_weights: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """``[rows, k]`` indices drawn without replacement ∝ exp(log_weights), each row apart (the Gumbel top-k trick,
+    the same law as drawing one at a time)."""
+    keys = log_weights + rng.gumbel(size=(rows, len(log_weights)))
+    return np.argsort(-keys, axis=1, kind="stable")[:, :k]
+
+
+class MQARLoader:
+    """Iterates dicts of ``input_ids``, ``labels``, ``position_ids`` (``torch.long``, ``[batch_size, seq_len]``),
+    forever; the ``state_dict()``/``load_state_dict()`` of ``TokenLoader``."""
+
+    epoch = 0  # generated, so there are no passes to count
+
+    def __init__(self, *, vocab_size: int, seq_len: int, num_pairs: int, batch_size: int, query_power: float = 0.01,
+                 rank: int = 0, world_size: int = 1, seed: int = 0, split: str = "train"):
+        check_at_least(batch_size=(batch_size, 1), world_size=(world_size, 1), seed=(seed, 0))
+        check_split(rank, world_size, None)
+        check_mqar(vocab_size=vocab_size, seq_len=seq_len, num_pairs=num_pairs, query_power=query_power)
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
+        self.settings = {"vocab_size": vocab_size, "seq_len": seq_len, "num_pairs": num_pairs,
+                         "query_power": query_power}
+        self.identity = {"generator": "mqar", "split": split, "seed": seed, "rank": rank, "world_size": world_size,
+                         "vocab_size": vocab_size, "num_pairs": num_pairs, "query_power": query_power}
+        self.batch_size, self.batches = batch_size, 0
+
+    def batch(self, index: int) -> dict[str, torch.Tensor]:
+        """The ``index``-th batch of this stream (the same on every call)."""
+        ident = self.identity
+        rng = np.random.default_rng([SPLITS[ident["split"]], ident["seed"], ident["world_size"], ident["rank"], index])
+        inputs, labels = mqar_rows(rng, self.batch_size, **self.settings)
+        positions = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
+        return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
+                "position_ids": torch.from_numpy(positions.copy())}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        while True:
+            batch = self.batch(self.batches)
+            self.batches += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {**self.identity, "batches": self.batches}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue after the batch the state was taken at; another stream (seed, rank, setting) is refused, naming
+        the key. ``seq_len`` and ``batch_size`` may change, as TokenLoader's."""
+        for key, mine in self.identity.items():
+            if key not in state:
+                raise ValueError(f"data loader state lacks key {key!r}")
+            if state[key] != mine:
+                raise ValueError(f"data loader state key {key!r} is {state[key]!r}, but this loader has {mine!r}: "
+                                 "resuming would read a different stream")
+        if "batches" not in state:
+            raise ValueError("data loader state lacks key 'batches'")
+        self.batches = int(state["batches"])

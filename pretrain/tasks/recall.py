@@ -1,0 +1,102 @@
+"""The associative-recall task: a causal LM trained and scored on MQAR rows (``pretrain.data.mqar``).
+
+Its own task rather than a data source of ``task: lm`` because nothing of the LM's data side applies (no tokenizer,
+shards, documents or perplexity) while everything else is the LM's: the model, the fused loss (``batch_nll``, which
+scores only the answers since every other label is −100), the launcher, engine, checkpoints and tensorboard.
+Validation reports what the task is for, ``val/recall_accuracy``: the share of answers the model's argmax gets
+right, on a fixed set of rows no training batch draws (the ``val`` stream of the run's seed).
+"""
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from pretrain.config import ConfigError
+from pretrain.data.mqar import IGNORE, MQARLoader, MQARSettingError, check_mqar
+
+from . import build_model
+from .lm_scoring import batch_nll
+
+SETTING_KEYS = {"vocab_size": "recall.vocab_size", "seq_len": "train.seq_len", "num_pairs": "recall.num_pairs",
+                "query_power": "recall.query_power"}
+
+
+def check_recall_config(cfg: DictConfig) -> None:
+    """The MQAR setting is possible (error naming the key); ``model.vocab_size: 0`` becomes ``recall.vocab_size``."""
+    r = cfg.recall
+    try:
+        check_mqar(vocab_size=r.vocab_size, seq_len=cfg.train.seq_len, num_pairs=r.num_pairs,
+                   query_power=r.query_power)
+    except MQARSettingError as err:
+        raise ConfigError(SETTING_KEYS[err.arg], str(err).split(": ", 1)[1]) from None
+    except ValueError as err:  # check_at_least: a non-positive count
+        raise ConfigError("recall.num_pairs", str(err)) from None
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = r.vocab_size
+    if cfg.model.vocab_size < r.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than recall.vocab_size "
+                                              f"{r.vocab_size}: some tokens would have no embedding")
+
+
+@torch.no_grad()
+def recall_scores(model, batches, device) -> torch.Tensor:
+    """``[correct answers, answers, summed NLL]`` (float64, on ``device``) over ``batches``: an answer is correct
+    when the argmax of the logits at its query is the value. Under a process group, every rank passes as many
+    batches and gets the sums over all ranks."""
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in batches:
+        labels = batch["labels"].to(device)
+        logits = model(batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device))
+        scored = labels != IGNORE
+        answers, logits = labels[scored], logits[scored].float()
+        nll = torch.nn.functional.cross_entropy(logits, answers, reduction="sum")
+        totals += torch.stack([(logits.argmax(-1) == answers).sum().double(), scored.sum().double(), nll.double()])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals)
+    return totals
+
+
+class RecallTask:
+    unit = "tokens"
+    has_validation = True
+
+    def __init__(self, cfg: DictConfig, world):
+        check_recall_config(cfg)
+        self.cfg, self.world, t = cfg, world, cfg.train
+        if world.sequence is not None:
+            raise ConfigError("parallel.sequence_parallel", "task recall trains whole rows; set it to 1")
+        self.loader = self.stream("train", cfg.run.seed, rank=world.data_rank, world_size=world.data_size)
+        self.units_per_micro_batch = t.micro_batch_size * t.seq_len
+
+    def stream(self, split: str, seed: int, *, rank: int, world_size: int) -> MQARLoader:
+        r = self.cfg.recall
+        return MQARLoader(vocab_size=r.vocab_size, seq_len=self.cfg.train.seq_len, num_pairs=r.num_pairs,
+                          batch_size=self.cfg.train.micro_batch_size, query_power=r.query_power, rank=rank,
+                          world_size=world_size, seed=seed, split=split)
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def build_model(self):
+        return build_model(self.cfg)
+
+    def train_flops_per_unit(self, model) -> float:
+        return 3 * model.flops_per_token(self.cfg.train.seq_len)
+
+    def batches(self):
+        return iter(self.loader)
+
+    def loss(self, model, batch, device):
+        return batch_nll(model, batch, device)
+
+    def validate(self, model, device) -> dict[str, float]:
+        """Accuracy and mean NLL over ``log.val_batches`` batches per rank of the validation rows."""
+        rows = self.stream("val", self.cfg.run.seed, rank=self.world.data_rank, world_size=self.world.data_size)
+        correct, answers, nll = recall_scores(model, map(rows.batch, range(self.cfg.log.val_batches)), device).tolist()
+        return {"val/recall_accuracy": correct / answers, "val/loss": nll / answers, "val/answers": answers}
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)

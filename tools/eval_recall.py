@@ -1,0 +1,94 @@
+"""Score a trained recall run on fresh MQAR rows at several numbers of pairs and lengths, longer than trained too.
+
+    python tools/eval_recall.py --run runs/recall/linear --pairs 8 16 32 64 --seq-lens 256 512 1024 --json out.json
+
+The rows come from the ``test`` stream of ``--seed``, which no training or validation batch draws. Each setting
+reports the share of answers whose argmax is right, their mean NLL, and the bytes of the model's decoding state
+after a prompt of that length (every layer's, one row, fp32): constant for the linear mixers, a KV cache growing
+with length for softmax. A setting the model cannot run (more pairs than the length holds, a length beyond
+aft_full's ``max_seq_len``) is reported with the reason and no accuracy.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pretrain.data.mqar import MQARLoader, MQARSettingError  # noqa: E402
+from pretrain.tasks.recall import recall_scores  # noqa: E402
+from pretrain.train.checkpoint import load_trained_model  # noqa: E402
+
+
+def state_bytes(model, seq_len: int) -> int:
+    """Bytes of every layer's decoding state after a ``seq_len``-token prompt of one row."""
+    _, states = model.prefill(torch.zeros(1, seq_len, dtype=torch.long))
+    return sum(t.numel() * t.element_size() for t in _tensors(states))
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+@torch.no_grad()
+def score(model, cfg, *, seq_len: int, num_pairs: int, rows: int, batch_size: int, seed: int) -> dict:
+    """One setting's accuracy, NLL and state size, or the reason it cannot run."""
+    result = {"seq_len": seq_len, "num_pairs": num_pairs,
+              "trained": seq_len == cfg.train.seq_len and num_pairs == cfg.recall.num_pairs}
+    try:
+        stream = MQARLoader(vocab_size=cfg.recall.vocab_size, seq_len=seq_len, num_pairs=num_pairs,
+                            batch_size=batch_size, query_power=cfg.recall.query_power, seed=seed, split="test")
+        result["state_bytes"] = state_bytes(model, seq_len)
+        correct, answers, nll = recall_scores(model, map(stream.batch, range(-(-rows // batch_size))),
+                                              torch.device("cpu")).tolist()
+    except (MQARSettingError, ValueError) as err:  # ValueError: a mixer refusing the length (aft_full)
+        return {**result, "skipped": str(err)}
+    return {**result, "accuracy": correct / answers, "nll": nll / answers, "answers": int(answers)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", type=Path, required=True, help="run directory of a task: recall run")
+    parser.add_argument("--tag", default="latest", help="checkpoint tag (default: the run's latest)")
+    parser.add_argument("--pairs", type=int, nargs="+", help="numbers of key-value pairs (default: the trained one)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="row lengths (default: trained, 2x, 4x)")
+    parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the test rows")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+
+    model, cfg, checkpoint = load_trained_model(args.run, args.tag)
+    if cfg.task != "recall":
+        parser.error(f"--run {args.run} is a task {cfg.task!r} run; eval_recall scores task recall runs")
+    trained = cfg.train.seq_len
+    results = [score(model, cfg, seq_len=seq_len, num_pairs=num_pairs, rows=args.rows, batch_size=args.batch_size,
+                     seed=args.seed)
+               for seq_len in args.seq_lens or [trained, 2 * trained, 4 * trained]
+               for num_pairs in args.pairs or [cfg.recall.num_pairs]]
+    report = {"run": str(args.run), "checkpoint": str(checkpoint), "seed": args.seed,
+              "mixers": list(cfg.model.layer_pattern) or [cfg.model.mixer], "dim": cfg.model.dim,
+              "trained": {"seq_len": trained, "num_pairs": cfg.recall.num_pairs}, "results": results}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    print("| seq_len | pairs | accuracy | nll | state bytes |\n|---|---|---|---|---|")
+    for r in results:
+        accuracy = f"{r['accuracy']:.3f}" if "accuracy" in r else f"— ({r['skipped']})"
+        nll = f"{r['nll']:.3f}" if "nll" in r else "—"
+        print(f"| {r['seq_len']} | {r['num_pairs']} | {accuracy} | {nll} | {r.get('state_bytes', '—')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
