@@ -25,20 +25,22 @@ With activation checkpointing each block keeps only its input, plus one block's 
 recomputed. Not counted: temporary buffers (DeepSpeed's communication buckets, ZeRO-3 gathers,
 allocator fragmentation), so treat the total as a floor with ~10–20 % headroom to plan for.
 """
+import dataclasses
+
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.overrides import TorchFunctionMode
 
-from .config import ConfigError
-from .models import build_lm
+from .config import ConfigError, ModelConfig
+from .models import build_lm, build_vision_model
+from .ops.precision import DTYPES
 
 BYTES_PER_PARAM = {  # weights, gradients, optimizer states (Adam), per parameter
     "fp32": (4, 4, 8),
     "bf16": (2, 2, 12),
     "fp16": (2, 2, 12),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIXER_TENSORS_PER_TOKEN = 5  # the fallback for mixers that cannot run on meta: input, q, k, v, output
 
 
@@ -58,8 +60,8 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
         raise ConfigError("parallel.sequence_parallel", f"{split} must divide the number of ranks ({world_size})")
     local_len = train.seq_len // split  # a rank's slice of every row: its activations are those of a row this long
     with torch.device("meta"):
-        model = build_lm(cfg.model).to(dtype)
-        probe = build_lm(_one_pattern_period(cfg.model)).to(dtype)
+        model = build_lm(OmegaConf.to_object(cfg.model)).to(dtype)
+        probe = build_lm(_one_pattern_period(OmegaConf.to_object(cfg.model))).to(dtype)
     parameters = sum(p.numel() for p in model.parameters())
     forward_flops = model.flops_per_token(train.seq_len)
 
@@ -95,11 +97,9 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
 
 def estimate_vision(cfg: DictConfig, world_size: int) -> dict:
     """Parameters, FLOPs per image at ``vision.image_size`` and the model states of one rank of a vision run."""
-    from .models.vision import build_vision_model
-
     ds, size = cfg.deepspeed, cfg.vision.image_size
     with torch.device("meta"):
-        model = build_vision_model(cfg)
+        model = build_vision_model(OmegaConf.to_object(cfg.vision), OmegaConf.to_object(cfg.model))
     parameters = sum(p.numel() for p in model.parameters())
     forward_flops = model.flops_per_image(size, size)
     states = model_state_bytes(parameters, ds.precision, ds.zero_stage, world_size)
@@ -128,11 +128,9 @@ def model_state_bytes(parameters: int, precision: str, zero_stage: int, world_si
     }
 
 
-def _one_pattern_period(model_cfg: DictConfig) -> DictConfig:
+def _one_pattern_period(model_cfg: ModelConfig) -> ModelConfig:
     """The model with one period of its layer pattern: blocks of one mixer save the same bytes, so measure each once."""
-    probe = model_cfg.copy()
-    probe.n_layers = len(model_cfg.layer_pattern) or 1
-    return probe
+    return dataclasses.replace(model_cfg, n_layers=len(model_cfg.layer_pattern) or 1)
 
 
 def saved_activation_bytes(model, batch: int, seq_len: int) -> tuple[list[int], int, list[str]]:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchlib  # noqa: E402  (tools/, beside this script)
 from pretrain.attention import REGISTRY, build_mixer  # noqa: E402
 from pretrain.ops import linear_attention, softmax_attention  # noqa: E402
+from pretrain.ops.precision import DTYPES  # noqa: E402
 
 OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "softmax": lambda q, k, v: softmax_attention(q, k, v, causal=True),
@@ -41,7 +42,6 @@ def fla_chunk_linear_attn(q, k, v):
     from fla.ops.linear_attn import chunk_linear_attn
 
     return chunk_linear_attn(q, k, v, scale=1.0)[0]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_step(name: str, seq_len: int, args):

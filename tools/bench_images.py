@@ -40,11 +40,11 @@ def decoded(pattern: str):
 def model_images_per_second(config: str, image_size: int, batch_size: int, steps: int) -> float:
     import torch
 
+    from pretrain.tasks import build_model
     from pretrain.tasks.config_checks import load_run_config
-    from pretrain.models.vision import build_vision_model
 
     cfg = load_run_config(config, [f"vision.image_size={image_size}"])
-    model = build_vision_model(cfg)
+    model = build_model(cfg)
     images = torch.randn(batch_size, cfg.vision.in_channels, image_size, image_size)
     labels = torch.randint(0, cfg.vision.num_classes, (batch_size,))
 

@@ -24,8 +24,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import benchlib  # noqa: E402  (tools/, beside this script)
+from pretrain.ops.precision import DTYPES  # noqa: E402
+from pretrain.tasks import build_model as build_run_model  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
-from pretrain.models import build_vision_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKBONES = {  # name: (stage mixers, mixer options over the preset's)
@@ -40,7 +41,6 @@ BACKBONES = {  # name: (stage mixers, mixer options over the preset's)
     "efficient": (["efficient"] * 4, {}),
     "softmax": (["softmax"] * 4, {}),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def backbone_config(name: str, args):
@@ -54,7 +54,7 @@ def backbone_config(name: str, args):
 
 
 def build_model(name: str, args):
-    return build_vision_model(backbone_config(name, args)).eval()
+    return build_run_model(backbone_config(name, args)).eval()
 
 
 def build_step(name: str, resolution: int, args):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pretrain.config import ConfigError  # noqa: E402
-from pretrain.models import build_lm  # noqa: E402
+from pretrain.tasks import build_model  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 
 COLUMNS = [("mixer", "{}"), ("params", "{:,}"), ("tokens", "{:,}"), ("train_s", "{:.0f}"), ("tokens_per_s", "{:.0f}"),
@@ -48,7 +48,7 @@ def mixer_label(config_path: str, overrides: list[str]) -> str:
 
 def parameter_count(config_path: str, overrides: list[str]) -> int:
     with torch.device("meta"):
-        model = build_lm(load_run_config(config_path, overrides).model)
+        model = build_model(load_run_config(config_path, overrides))
     return sum(p.numel() for p in model.parameters())
 
 

@@ -1,4 +1,5 @@
-"""The parts of a transformer block that are not the token mixer: RMSNorm and the SwiGLU feed-forward."""
+"""The parts of a transformer block that are not the token mixer: RMSNorm, the SwiGLU feed-forward, and the
+weight initialization both models share."""
 import math
 
 import torch
@@ -42,6 +43,23 @@ class _RMSNormFunction(torch.autograd.Function):
         dx = rstd * (scaled - normed * (scaled * normed).mean(-1, keepdim=True))
         dweight = (grad_wide * normed).reshape(-1, normed.shape[-1]).sum(0)
         return dx.to(x.dtype), dweight.to(weight.dtype), None
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, std: float, *, blocks: int) -> None:
+    """Linear and embedding weights ~ N(0, std), biases zero; residual output projections ~ N(0, std/√(2·blocks)).
+
+    Every block adds two branches (mixer, FFN) to the residual stream, so at initialization its variance grows
+    with their number, 2·blocks; shrinking the projections that write into the stream (a mixer's ``o_proj``, the
+    FFN's ``down_proj``) by 1/√(2·blocks) keeps it O(1) at any depth (GPT-2, Radford et al. 2019). Other
+    parameters (norms, convolutions, a mixer's own biases or kernels) keep the init their module gave them.
+    """
+    residual_std = std / math.sqrt(2 * max(1, blocks))
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=residual_std if name.endswith(("o_proj", "down_proj")) else std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
 
 
 def swiglu_hidden(dim: int, ffn_hidden: int, multiple_of: int) -> int:

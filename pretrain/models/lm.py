@@ -3,33 +3,30 @@
 The model never names a mixer: ``model.mixer`` (or the per-layer ``model.layer_pattern``, repeated to
 ``n_layers``) picks registered classes, so a new mixer needs no change here.
 """
-import math
-
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..attention import build_mixer, mixer_options
+from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
-from .layers import RMSNorm, SwiGLU, swiglu_hidden
+from .layers import RMSNorm, SwiGLU, init_weights, swiglu_hidden
 from .lm_head import LMHead
 
 # Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).
 SHARED_MIXER_OPTIONS = ("rope_theta",)
 
 
-def layer_mixers(model_cfg) -> list[str]:
+def layer_mixers(model_cfg: ModelConfig) -> list[str]:
     """The mixer name of each layer: ``layer_pattern`` (or ``[mixer]``) repeated to ``n_layers``."""
     pattern = list(model_cfg.layer_pattern) or [model_cfg.mixer]
     return [pattern[i % len(pattern)] for i in range(model_cfg.n_layers)]
 
 
-def mixer_kwargs(model_cfg, name: str) -> dict:
+def mixer_kwargs(model_cfg: ModelConfig, name: str) -> dict:
     """The options ``name`` is built with: shared model keys it accepts, then ``model.mixer_options.<name>``."""
     accepted = mixer_options(name)
     options = {key: getattr(model_cfg, key) for key in SHARED_MIXER_OPTIONS if key in accepted}
-    own = model_cfg.mixer_options.get(name) or {}
-    options.update(OmegaConf.to_container(own) if isinstance(own, DictConfig) else own)
+    options.update(model_cfg.mixer_options.get(name) or {})
     return options
 
 
@@ -63,13 +60,13 @@ class Block(nn.Module):
 class CausalLM(nn.Module):
     """Token embedding → blocks → RMSNorm → LM head (optionally tied to the embedding), whose loss is fused in."""
 
-    def __init__(self, model_cfg):
+    def __init__(self, model_cfg: ModelConfig):
         super().__init__()
         vocab, dim = model_cfg.vocab_size, model_cfg.dim
         if vocab <= 0:
             raise ValueError(
                 f"model.vocab_size must be resolved (> 0), got {vocab}: set it, or point data.tokenizer at an "
-                "existing sentencepiece model and load the config with pretrain.config.load_config"
+                "existing sentencepiece model and load the config with pretrain.tasks.config_checks.load_run_config"
             )
         hidden = swiglu_hidden(dim, model_cfg.ffn_hidden, model_cfg.multiple_of)
         self.embed = nn.Embedding(vocab, dim)
@@ -82,24 +79,7 @@ class CausalLM(nn.Module):
         self.lm_head = LMHead(dim, vocab)
         if model_cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.init_weights(model_cfg.init_std)
-
-    @torch.no_grad()
-    def init_weights(self, std: float) -> None:
-        """Linear and embedding weights ~ N(0, std); residual output projections ~ N(0, std/√(2·n_layers)).
-
-        Every block adds two branches (mixer, FFN) to the residual stream, so at initialization its variance
-        grows with their number, 2·n_layers; shrinking the projections that write into the stream (a mixer's
-        ``o_proj``, the FFN's ``down_proj``) by 1/√(2·n_layers) keeps it O(1) at any depth (GPT-2, Radford et al.
-        2019). Other parameters (norms, a mixer's own biases or kernels) keep the init their module gave them.
-        """
-        residual_std = std / math.sqrt(2 * len(self.layers))
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual_out = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual_out else std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        init_weights(self, model_cfg.init_std, blocks=len(self.layers))
 
     def forward(self, input_ids, position_ids=None, labels=None, reduction="sum"):
         """``input_ids`` ``[B, T]`` → logits ``[B, T, V]``; ``position_ids`` restart at 0 at each document start.
@@ -143,6 +123,10 @@ class CausalLM(nn.Module):
         return blocks + 2 * self.lm_head.in_features * self.lm_head.out_features
 
 
-def build_lm(model_cfg) -> CausalLM:
-    """The causal LM described by the ``model`` sub-config (``vocab_size`` already resolved)."""
+def build_lm(model_cfg: ModelConfig) -> CausalLM:
+    """The causal LM described by a ``ModelConfig`` (``vocab_size`` already resolved). A loaded config's node
+    converts with ``OmegaConf.to_object(cfg.model)``: the model takes plain values, never OmegaConf nodes."""
+    if not isinstance(model_cfg, ModelConfig):
+        raise TypeError(f"build_lm takes a pretrain.config.ModelConfig, got {type(model_cfg).__name__}; "
+                        "convert a loaded config with OmegaConf.to_object(cfg.model)")
     return CausalLM(model_cfg)

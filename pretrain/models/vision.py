@@ -13,11 +13,11 @@ holds one value per stage (SOFT's published landmark strides: ``landmark_stride:
 import math
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ..attention import build_mixer
-from .layers import RMSNorm, SwiGLU
+from ..config import ModelConfig, VisionConfig
+from .layers import RMSNorm, SwiGLU, init_weights
 
 
 def tokens_to_grid(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
@@ -90,9 +90,8 @@ class VisionBlock(nn.Module):
 class VisionBackbone(nn.Module):
     """Images ``[B, C, H, W]`` → logits ``[B, num_classes]``; ``layers`` is every block of every stage, in order."""
 
-    def __init__(self, cfg):
+    def __init__(self, vision: VisionConfig, model: ModelConfig):
         super().__init__()
-        vision, model = cfg.vision, cfg.model
         dims, depths = list(vision.stage_dims), list(vision.stage_depths)
         heads, mixers = list(vision.stage_heads), list(vision.stage_mixers)
         lengths = {"stage_dims": len(dims), "stage_depths": len(depths), "stage_heads": len(heads),
@@ -101,7 +100,8 @@ class VisionBackbone(nn.Module):
             raise ValueError(f"vision: one entry per stage in each of {lengths}")
         if vision.num_classes <= 0:
             raise ValueError(f"vision.num_classes must be resolved (> 0), got {vision.num_classes}: set it, or "
-                             "load the config with pretrain.config.load_config to take it from the shards' manifest")
+                             "load the config with pretrain.tasks.config_checks.load_run_config to take it from the "
+                             "shards' manifest")
         self.patch_size = vision.patch_size
         self.output_stride = vision.patch_size * 2 ** (len(dims) - 1)
         self.depths = depths
@@ -121,19 +121,7 @@ class VisionBackbone(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(dims[-1], eps=model.norm_eps)
         self.head = nn.Linear(dims[-1], vision.num_classes)
-        self.init_weights(model.init_std)
-
-    @torch.no_grad()
-    def init_weights(self, std: float) -> None:
-        """Linear weights ~ N(0, std), the residual output projections (``o_proj``, ``down_proj``) scaled by
-        1/√(2·blocks) as in the LM (``CausalLM.init_weights`` says why); biases zero; convolutions, norms and a
-        mixer's own parameters keep their module's init."""
-        residual_std = std / math.sqrt(2 * max(1, len(self.layers)))
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=residual_std if name.endswith(("o_proj", "down_proj")) else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        init_weights(self, model.init_std, blocks=len(self.layers))
 
     def check_image_size(self, height: int, width: int) -> None:
         if height % self.output_stride or width % self.output_stride:
@@ -167,10 +155,9 @@ class VisionBackbone(nn.Module):
         return total + 2.0 * self.head.in_features * self.head.out_features
 
 
-def stage_options(model_cfg, name: str, stage: int, num_stages: int) -> dict:
+def stage_options(model_cfg: ModelConfig, name: str, stage: int, num_stages: int) -> dict:
     """``model.mixer_options.<name>`` for one stage: a list value holds one entry per stage."""
-    own = model_cfg.mixer_options.get(name) or {}
-    options = dict(OmegaConf.to_container(own) if isinstance(own, DictConfig) else own)
+    options = dict(model_cfg.mixer_options.get(name) or {})
     for key, value in options.items():
         if isinstance(value, (list, tuple)):
             if len(value) != num_stages:
@@ -180,6 +167,12 @@ def stage_options(model_cfg, name: str, stage: int, num_stages: int) -> dict:
     return options
 
 
-def build_vision_model(cfg) -> VisionBackbone:
-    """The backbone of a whole run config (``cfg.vision`` with ``num_classes`` resolved, and ``cfg.model``)."""
-    return VisionBackbone(cfg)
+def build_vision_model(vision: VisionConfig, model: ModelConfig) -> VisionBackbone:
+    """The backbone of a run's ``vision`` section (``num_classes`` resolved) and the ``model`` keys it reads
+    (``init_std``, ``norm_eps``, ``mixer_options``). A loaded config's nodes convert with ``OmegaConf.to_object``:
+    the model takes plain values, never OmegaConf nodes."""
+    if not isinstance(vision, VisionConfig) or not isinstance(model, ModelConfig):
+        raise TypeError(f"build_vision_model takes pretrain.config's VisionConfig and ModelConfig, got "
+                        f"{type(vision).__name__} and {type(model).__name__}; convert a loaded config with "
+                        "OmegaConf.to_object(cfg.vision), OmegaConf.to_object(cfg.model)")
+    return VisionBackbone(vision, model)

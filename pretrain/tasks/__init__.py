@@ -1,22 +1,54 @@
 """What a run learns. The training loop is the same for every task; a ``Task`` supplies the task-specific parts.
 
-A task, built on one rank as ``Task(cfg, world)`` (opening its data; a bad path is a ``ConfigError`` naming the key):
-  unit                     what throughput counts: "tokens" or "images"
-  units_per_micro_batch    of one rank's micro-batch
-  epoch                    finished passes over the training data (this rank's)
-  has_validation           whether ``validate`` has data to score
-  build_model()            the model, on the current default device
-  train_flops_per_unit(m)  training FLOPs (≈ 3× forward) per unit of the model ``m``
-  batches()                this rank's training batches, forever
-  loss(model, batch, dev)  (summed loss as a 0-d fp32 tensor, how many units it sums over)
-  validate(model, dev)     {"val/...": scalar} over the validation data, reduced over ranks
-  state_dict() / load_state_dict(state)   the data stream's state, for exact resume
+A task is built on one rank as ``SomeTask(cfg, world)``, opening its data (a bad path is a ``ConfigError`` naming
+the key). ``Task`` below is the contract, checked for every task by ``tests/train/test_tasks.py``.
 """
-from omegaconf import DictConfig
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from pretrain.models import build_lm, build_vision_model
 
-def build_task(cfg: DictConfig, world):
+
+@runtime_checkable
+class Task(Protocol):
+    unit: str                   # what throughput counts: "tokens" or "images"
+    units_per_micro_batch: int  # of one rank's micro-batch
+
+    @property
+    def epoch(self) -> int:
+        """Finished passes over this rank's training data."""
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether ``validate`` has data to score."""
+
+    def build_model(self) -> nn.Module:
+        """The model, on the current default device."""
+
+    def train_flops_per_unit(self, model: nn.Module) -> float:
+        """Training FLOPs (≈ 3× forward) per unit of ``model``."""
+
+    def batches(self) -> Iterator[dict]:
+        """This rank's training batches, forever."""
+
+    def loss(self, model: nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, float]:
+        """(summed loss as a 0-d fp32 tensor, how many units it sums over)."""
+
+    def validate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """``{"val/...": scalar}`` over the validation data, reduced over ranks."""
+
+    def state_dict(self) -> dict:
+        """The data stream's state, for exact resume."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume the data stream from ``state_dict()``."""
+
+
+def build_task(cfg: DictConfig, world) -> Task:
     """The task ``cfg.task`` names, set up for this rank of ``world``."""
     if cfg.task == "vision":
         from .vision import VisionTask
@@ -34,9 +66,5 @@ def build_task(cfg: DictConfig, world):
 def build_model(cfg: DictConfig) -> nn.Module:
     """The model of the run ``cfg`` describes, without opening any data (checkpoint loading, dry runs)."""
     if cfg.task == "vision":
-        from pretrain.models.vision import build_vision_model
-
-        return build_vision_model(cfg)
-    from pretrain.models import build_lm
-
-    return build_lm(cfg.model)
+        return build_vision_model(OmegaConf.to_object(cfg.vision), OmegaConf.to_object(cfg.model))
+    return build_lm(OmegaConf.to_object(cfg.model))

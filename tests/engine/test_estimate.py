@@ -4,6 +4,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from pretrain.attention import REGISTRY
@@ -75,7 +76,7 @@ def test_model_states_follow_zero(precision, stage, expected):
 
 def test_parameters_and_flops_are_the_real_models():
     cfg = tiny()
-    model = build_lm(cfg.model)
+    model = build_lm(OmegaConf.to_object(cfg.model))
     result = estimate(cfg, world_size=1)
     assert result["parameters"] == sum(p.numel() for p in model.parameters())
     assert result["flops_per_token"] == 3 * model.flops_per_token(24)
@@ -84,7 +85,7 @@ def test_parameters_and_flops_are_the_real_models():
 def saved_bytes_of_a_real_forward(cfg) -> int:
     """What autograd keeps after a real CPU forward and loss: distinct storages, parameters excluded."""
     torch.manual_seed(0)
-    model = build_lm(cfg.model)
+    model = build_lm(OmegaConf.to_object(cfg.model))
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     total = 0
 

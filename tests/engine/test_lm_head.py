@@ -2,7 +2,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from pretrain.config import ModelConfig
@@ -102,8 +101,7 @@ def test_without_grad_it_computes_only_the_logits():
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_the_model_with_labels_gives_the_loss_of_its_logits(tie):
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                          {"vocab_size": 50, "dim": 32, "n_layers": 2, "n_heads": 4, "tie_embeddings": tie})
+    cfg = ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=4, tie_embeddings=tie)
     torch.manual_seed(0)
     model = build_lm(cfg).double()
     input_ids = torch.randint(0, 50, (2, 12))

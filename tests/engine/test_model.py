@@ -4,7 +4,6 @@ from typing import ClassVar
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
 from pretrain.attention import REGISTRY
@@ -13,9 +12,8 @@ from pretrain.models import build_lm
 from pretrain.models.layers import RMSNorm
 
 
-def model_cfg(**overrides):
-    return OmegaConf.merge(OmegaConf.structured(ModelConfig), {"vocab_size": 50, "dim": 32, "n_layers": 2,
-                                                               "n_heads": 4, **overrides})
+def model_cfg(**overrides) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 50, "dim": 32, "n_layers": 2, "n_heads": 4, **overrides})
 
 
 class TokenShift(nn.Module):
@@ -202,3 +200,10 @@ def test_every_registered_causal_mixer_plugs_in(mixer):
     changed[1, 8:] = (changed[1, 8:] + 1) % 50
     torch.testing.assert_close(model(changed)[1, :8], model(ids)[1, :8])
     assert model.flops_per_token(12) > 0
+
+
+def test_an_omegaconf_node_is_refused_with_the_conversion_to_use():
+    from omegaconf import OmegaConf
+
+    with pytest.raises(TypeError, match=r"OmegaConf.to_object\(cfg.model\)"):
+        build_lm(OmegaConf.structured(model_cfg()))

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from pretrain.config import ModelConfig
 from pretrain.models import build_lm
@@ -28,9 +27,8 @@ generate_tool = load_module(REPO / "tools" / "generate.py", "generate_tool")
 def random_lm(layer_pattern, seed=0):
     """A tiny fp32 CausalLM with weights well away from zero, so logits spread and argmax has no near-ties."""
     torch.manual_seed(seed)
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "vocab_size": VOCAB, "dim": 32, "n_layers": 2, "n_heads": 4, "layer_pattern": layer_pattern,
-        "mixer_options": {"aft_local": {"window": 3, "chunk_size": 4}}})
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, layer_pattern=list(layer_pattern),
+                      mixer_options={"aft_local": {"window": 3, "chunk_size": 4}})
     model = build_lm(cfg).eval()
     with torch.no_grad():
         for param in model.parameters():

@@ -71,15 +71,12 @@ LINEAR_MIXERS = ("linear", "cosine", "inline")
 
 
 def tiny_lm():
-    from omegaconf import OmegaConf
-
     from pretrain.config import ModelConfig
     from pretrain.models import build_lm
 
     torch.manual_seed(0)
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), {
-        "vocab_size": 40, "dim": 16, "n_layers": 3, "n_heads": 2, "layer_pattern": list(LINEAR_MIXERS),
-        "mixer_options": {name: {"chunk_size": 8} for name in LINEAR_MIXERS}})
+    cfg = ModelConfig(vocab_size=40, dim=16, n_layers=3, n_heads=2, layer_pattern=list(LINEAR_MIXERS),
+                      mixer_options={name: {"chunk_size": 8} for name in LINEAR_MIXERS})
     return build_lm(cfg)
 
 

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from pretrain.config import ModelConfig
 from pretrain.data.shards import ShardError
@@ -53,7 +52,7 @@ def test_stride_must_fit_the_window():
 def test_packed_batches_score_like_each_window_alone(stride):
     """Windows share rows as separate segments; the total must equal scoring each window in a row of its own."""
     torch.manual_seed(0)
-    model = build_lm(OmegaConf.structured(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2))).eval()
+    model = build_lm(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2)).eval()
     rng = np.random.default_rng(stride)
     docs = [rng.integers(4, 50, size=int(n)) for n in rng.integers(1, 90, size=12)]
     scores = score_documents(model, docs, seq_len=32, stride=stride, batch_size=3, eos_id=EOS,
@@ -77,7 +76,7 @@ def test_loss_by_position_holds_every_token_once_in_its_bucket(stride):
     """Each scored token's own NLL (from the full logits of its window alone) lands in the bucket of its document
     position; the buckets add up to the totals."""
     torch.manual_seed(0)
-    model = build_lm(OmegaConf.structured(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2))).double().eval()
+    model = build_lm(ModelConfig(vocab_size=50, dim=32, n_layers=2, n_heads=2)).double().eval()
     rng = np.random.default_rng(stride)
     docs = [rng.integers(4, 50, size=int(n)) for n in rng.integers(1, 90, size=12)]
     scores = score_documents(model, docs, seq_len=32, stride=stride, batch_size=3, eos_id=EOS,

@@ -1,10 +1,10 @@
 """The hierarchical vision backbone: every stage-mixer variant, any resolution and aspect, FLOPs, meta build."""
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from pretrain.config import ModelConfig, VisionConfig
 from pretrain.models import build_vision_model
 from pretrain.models.vision import drop_path
 
@@ -24,20 +24,17 @@ VARIANTS = {  # name: (stage_mixers, mixer_options)
 }
 
 
-def tiny_config(stage_mixers, mixer_options=None, **vision):
-    """A whole run config as the model reads it: tiny widths, one block per stage, 10 classes."""
-    return OmegaConf.create({
-        "task": "vision",
-        "model": {"init_std": 0.02, "norm_eps": 1e-5, "mixer_options": mixer_options or {}},
-        "vision": {"image_size": 32, "num_classes": 10, "in_channels": 3, "patch_size": 4,
-                   "stage_dims": [16, 32, 48, 64], "stage_depths": [1, 1, 1, 1], "stage_heads": [1, 2, 2, 4],
-                   "stage_mixers": list(stage_mixers), "mlp_ratio": 2.0, "drop_path": 0.0, **vision},
-    })
+def tiny_config(stage_mixers, mixer_options=None, **vision) -> tuple[VisionConfig, ModelConfig]:
+    """The two sections the backbone reads: tiny widths, one block per stage, 10 classes."""
+    return (VisionConfig(**{"image_size": 32, "num_classes": 10, "in_channels": 3, "patch_size": 4,
+                            "stage_dims": [16, 32, 48, 64], "stage_depths": [1, 1, 1, 1], "stage_heads": [1, 2, 2, 4],
+                            "stage_mixers": list(stage_mixers), "mlp_ratio": 2.0, "drop_path": 0.0, **vision}),
+            ModelConfig(init_std=0.02, norm_eps=1e-5, mixer_options=mixer_options or {}))
 
 
 def tiny_model(variant, seed=0, **vision):
     torch.manual_seed(seed)
-    return build_vision_model(tiny_config(*VARIANTS[variant], **vision))
+    return build_vision_model(*tiny_config(*VARIANTS[variant], **vision))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -122,9 +119,9 @@ def test_soft_landmark_grid_caps_the_landmarks_and_changes_nothing_below_the_cap
     convolution gives at most g per side nothing is pooled, so the model equals the published one."""
     mixers, strides = ["soft"] * 4, {"landmark_stride": [2, 1, 1, 1]}
     torch.manual_seed(0)
-    grown = build_vision_model(tiny_config(mixers, {"soft": strides})).eval()
+    grown = build_vision_model(*tiny_config(mixers, {"soft": strides})).eval()
     torch.manual_seed(0)
-    capped = build_vision_model(tiny_config(mixers, {"soft": {**strides, "landmark_grid": 4}})).eval()
+    capped = build_vision_model(*tiny_config(mixers, {"soft": {**strides, "landmark_grid": 4}})).eval()
     small = torch.randn(1, 3, 32, 32)  # stage grids 8, 4, 2, 1: landmarks 4×4, 4×4, 2×2, 1, all within the cap
     with torch.no_grad():
         torch.testing.assert_close(capped(small), grown(small))
@@ -141,8 +138,8 @@ def test_soft_landmark_grid_caps_the_landmarks_and_changes_nothing_below_the_cap
 def test_builds_on_the_meta_device_with_the_same_parameters():
     config = tiny_config(*VARIANTS["soft"])
     with torch.device("meta"):
-        on_meta = build_vision_model(config)
-    shapes = {name: p.shape for name, p in build_vision_model(config).named_parameters()}
+        on_meta = build_vision_model(*config)
+    shapes = {name: p.shape for name, p in build_vision_model(*config).named_parameters()}
     assert {name: p.shape for name, p in on_meta.named_parameters()} == shapes
     assert all(p.is_meta for p in on_meta.parameters())
     assert len(on_meta.layers) == 4
@@ -204,8 +201,8 @@ def test_an_image_size_off_the_output_stride_is_refused_naming_it(size):
 
 def test_bad_stage_lists_are_refused_naming_the_key():
     with pytest.raises(ValueError, match="stage_heads"):
-        build_vision_model(tiny_config(["linear"] * 4, stage_heads=[1, 2, 4]))
+        build_vision_model(*tiny_config(["linear"] * 4, stage_heads=[1, 2, 4]))
     with pytest.raises(ValueError, match="mixer_options.soft.landmark_stride"):
-        build_vision_model(tiny_config(["soft"] * 4, {"soft": {"landmark_stride": [8, 4]}}))
+        build_vision_model(*tiny_config(["soft"] * 4, {"soft": {"landmark_stride": [8, 4]}}))
     with pytest.raises(ValueError, match="num_classes"):
-        build_vision_model(tiny_config(["linear"] * 4, num_classes=0))
+        build_vision_model(*tiny_config(["linear"] * 4, num_classes=0))
