@@ -30,11 +30,12 @@ import numpy as np
 import torch
 
 from pretrain.data.augment import eval_transform, normalize, train_transform
+from pretrain.data.images import IMAGE_EXTENSIONS
 from pretrain.data.shards import ShardError, expand_shards, iter_samples, load_manifest, recorded_checksums
 from pretrain.data.stream import Position, ShardStream, Skips, StreamLoader, check_at_least, check_split
 
 SHUFFLE_WINDOW = 5000  # images: one shard of make_image_shards' default size
-IMAGE_EXTENSIONS = ("jpg", "png", "jpeg")
+IMAGE_MEMBERS = tuple(suffix.lstrip(".") for suffix in IMAGE_EXTENSIONS)  # read: what we write, and .jpeg
 
 
 class _Sample(NamedTuple):
@@ -64,9 +65,9 @@ class _ImageStream(ShardStream):
         samples = []
         for sample in iter_samples(url, self.checksums.get(url)):
             where = f"shard {url} sample {sample['__key__']}"
-            data = next((sample[ext] for ext in IMAGE_EXTENSIONS if ext in sample), None)
+            data = next((sample[ext] for ext in IMAGE_MEMBERS if ext in sample), None)
             if data is None:
-                raise ShardError(f"{where} has no {'/'.join(IMAGE_EXTENSIONS)} member (not an image shard?)")
+                raise ShardError(f"{where} has no {'/'.join(IMAGE_MEMBERS)} member (not an image shard?)")
             if "cls" not in sample:
                 raise ShardError(f"{where} has no .cls member (its class index)")
             try:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from pretrain.data.shards import ShardError, ShardWriter, fresh_output_dir, iter_members, write_manifest
 
-IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"}
+IMAGE_EXTENSIONS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png"}  # file suffix → the shard member written
 
 
 def _image_entries(names: list[str]) -> list[tuple[str | None, str, str]]:
