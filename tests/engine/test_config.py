@@ -61,7 +61,7 @@ def test_defaults_yaml_and_overrides_merge(tmp_path):
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("**/*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_shipped_configs_load(path):
     cfg = load_run_config(path, [])
-    assert cfg.task in ("lm", "vision") and cfg.train.max_steps > 0
+    assert cfg.task in ("lm", "vision", "recall") and cfg.train.max_steps > 0
 
 
 def test_a_config_starts_from_its_base_and_changes_a_few_keys(tmp_path):
