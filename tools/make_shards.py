@@ -4,6 +4,7 @@
   text    one document per sample: its token ids with eos appended (tokens.u16/.u32) and its UTF-8 byte length
           (json); a .jsonl record is a document, .txt files are cut by --txt-docs.
   images  one image per sample (jpg/png bytes unchanged, and cls) from an ImageFolder directory or a tar of one.
+  verify  every shard's sha256 against its manifest, before a run meets a corrupt shard at step 1500.
 
 Every shard set gets DIR/manifest.json (counts, the tokenizer's sha256 or the class names). Same inputs give
 byte-identical shards. Formats: pretrain/data/text_shards.py and pretrain/data/images.py.
@@ -13,8 +14,10 @@ Examples:
       --tokenizer data/tokenizers/wikitext2.model --out data/shards/wikitext2/train
   python tools/make_shards.py images --input ../shared/data/images/cifar10_jpg.tar.gz --split train \\
       --out data/shards/cifar10/train
+  python tools/make_shards.py verify --data data/shards/wikitext2/train
 """
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -22,8 +25,27 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.data.images import make_image_shards  # noqa: E402
+from pretrain.data.shards import expand_shards, recorded_checksums  # noqa: E402
 from pretrain.data.text_files import TXT_DOC_RULES  # noqa: E402
 from pretrain.data.text_shards import make_text_shards  # noqa: E402
+
+
+def verify(data: str) -> str:
+    """Check each shard of ``data`` (a directory or pattern) against the sha256 its manifest records."""
+    urls = expand_shards(data)
+    checksums = recorded_checksums(urls)
+    bad = []
+    for url in urls:
+        if url not in checksums:
+            bad.append(f"{url} (its manifest records no sha256)")
+            continue
+        with open(url, "rb") as f:
+            if hashlib.file_digest(f, "sha256").hexdigest() != checksums[url]:
+                bad.append(f"{url} (sha256 differs from its manifest's)")
+    if bad:
+        raise ValueError(f"{len(bad)} of {len(urls)} shards fail verification: {'; '.join(bad)}; rewrite them "
+                         "with make_shards.py, or leave them out of the pattern")
+    return f"{len(urls)} shards match their manifest's sha256"
 
 
 def main() -> int:
@@ -45,10 +67,15 @@ def main() -> int:
     images.add_argument("--split", default=None, help="the split folder to take (e.g. train, test)")
     images.add_argument("--images-per-shard", type=int, default=5000)
     images.add_argument("--seed", type=int, default=0, help="seed of the order images are written in")
+    check = kinds.add_parser("verify", help="check every shard's sha256 against its manifest")
+    check.add_argument("--data", required=True, metavar="DIR_OR_PATTERN", help="shard directory or pattern (.tar)")
     args = parser.parse_args()
 
     start = time.time()
     try:
+        if args.kind == "verify":
+            print(verify(args.data))
+            return 0
         if args.kind == "text":
             manifest = make_text_shards(args.input, args.tokenizer, args.out, docs_per_shard=args.docs_per_shard,
                                         txt_docs=args.txt_docs, workers=args.workers, progress=True)

@@ -25,8 +25,9 @@ TAG = re.compile(r"step(\d{8})")
 COMPLETE = "complete"  # marker file: every rank's files of the tag are on disk
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that could not be written, or a tag that cannot be loaded; the message names it."""
+class CheckpointError(OSError):
+    """A checkpoint that could not be written, or a tag that cannot be loaded; the message names it (an OSError,
+    so the tools report it as they report a missing run)."""
 
 
 def tag_for(step: int) -> str:

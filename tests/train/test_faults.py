@@ -84,6 +84,31 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
     return sorted(p.name for p in ckpt_dir.glob("step*") if checkpoint.is_complete(ckpt_dir, p.name))
 
 
+UNCAUGHT_WITH_A_WORKER = """
+from torch.utils.data import DataLoader, IterableDataset
+from pretrain.train.preemption import StopRequest, held_from_child_processes
+
+class Forever(IterableDataset):
+    def __iter__(self):
+        return iter(int, 1)
+
+with StopRequest():
+    with held_from_child_processes():
+        batches = iter(DataLoader(Forever(), batch_size=None, num_workers=1))
+        next(batches)
+    raise RuntimeError("an error nobody catches")
+"""
+
+
+def test_an_uncaught_error_with_a_loader_worker_alive_ends_the_process():
+    """The common cause of the hangs: a worker forked with the preemption signals held kept them held, so the
+    interpreter's exit, terminating it, waited forever. Any error, caught or not, must end the process."""
+    process = subprocess.Popen([PYTHON, "-c", UNCAUGHT_WITH_A_WORKER], cwd=REPO, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = finish(process, timeout=60)
+    assert process.returncode == 1 and "RuntimeError: an error nobody catches" in output, output
+
+
 def test_a_full_disk_at_a_save_ends_the_run_naming_the_tag_and_keeps_latest(lm_data, tmp_path):
     """The trainer's file size limit drops below a checkpoint's size after its first save (a full disk, as the
     process sees it: writes fail with EFBIG); the next save must end the run, non-zero and promptly, with one line
@@ -159,6 +184,11 @@ def test_a_kill_during_a_save_leaves_a_partial_tag_the_relaunch_removes_and_resu
     kill_session(process)
     process.communicate(timeout=30)
     assert checkpoint.partial_tags(ckpts) == ["step00000015"] and checkpoint.latest_tag(ckpts) == "step00000010"
+    refused = subprocess.run([PYTHON, "tools/eval_ppl.py", "--run", str(run), "--tag", "step00000015", "--data",
+                              lm_data["held_out"]], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert (f"checkpoint {ckpts / 'step00000015'} is partial" in refused.stderr
+            and "pass a complete tag: step00000005, step00000010" in refused.stderr), refused.stderr[-3000:]
 
     relaunch = start(tiny_overrides(lm_data, run, **overrides))
     output = finish(relaunch, timeout=300)
@@ -170,3 +200,32 @@ def test_a_kill_during_a_save_leaves_a_partial_tag_the_relaunch_removes_and_resu
         assert [resumed[s][key] for s in range(1, 21)] == [expected[s][key] for s in range(1, 21)], key
     assert resumed[20]["val/loss"] == expected[20]["val/loss"]
     assert complete_tags(ckpts) == ["step00000015", "step00000020"] and checkpoint.partial_tags(ckpts) == []
+
+
+def test_pruning_never_counts_a_partial_tag(tmp_path):
+    """A relaunch with another checkpoint.every once pruned a good checkpoint and kept a broken one: the partial tag
+    must go, the complete ones stay."""
+    ckpts = tmp_path / "checkpoints"
+    for step, complete in ((10, True), (15, True), (20, False)):
+        (ckpts / checkpoint.tag_for(step)).mkdir(parents=True)
+        if complete:
+            (ckpts / checkpoint.tag_for(step) / checkpoint.COMPLETE).touch()
+    (ckpts / "latest").write_text("step00000015")
+    assert checkpoint.partial_tags(ckpts) == ["step00000020"]
+    checkpoint._prune(ckpts, keep_last=2, keep="step00000015")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step00000010", "step00000015"]
+
+
+def test_make_shards_verify_finds_a_corrupt_shard_up_front(lm_data, tmp_path):
+    data = tmp_path / "shards"
+    shutil.copytree(Path(lm_data["train_shards"]).parent, data)
+    good = subprocess.run([PYTHON, "tools/make_shards.py", "verify", "--data", str(data)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert good.returncode == 0 and "12 shards match" in good.stdout, good.stderr
+    raw = bytearray((data / "shard-000004.tar").read_bytes())
+    raw[700] ^= 1  # one flipped bit inside a member: the tar still reads
+    (data / "shard-000004.tar").write_bytes(bytes(raw))
+    bad = subprocess.run([PYTHON, "tools/make_shards.py", "verify", "--data", str(data / "shard-{000000..000099}.tar")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.startswith("error: 1 of 12 shards fail verification: ") and "shard-000004.tar" in bad.stderr
