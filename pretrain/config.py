@@ -8,7 +8,6 @@ build, ``model.vocab_size`` from the tokenizer, ``vision.num_classes`` from the 
 tasks, in ``pretrain.tasks.config_checks``, whose ``load_run_config`` runs both.
 """
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from .atomic import atomic_path
 
 
 class ConfigError(ValueError):
@@ -207,13 +208,8 @@ def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = OmegaConf.to_yaml(cfg, resolve=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        try:
-            tmp.write(text)
-        except BaseException:
-            os.unlink(tmp.name)
-            raise
-    os.replace(tmp.name, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 def _read_with_bases(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[DictConfig, Path]]:

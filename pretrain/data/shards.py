@@ -31,6 +31,8 @@ from contextlib import contextmanager
 import numpy as np
 from braceexpand import braceexpand
 
+from pretrain.atomic import atomic_path
+
 MANIFEST = "manifest.json"
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
@@ -55,11 +57,9 @@ def load_manifest(directory: str) -> dict:
 
 
 def write_manifest(directory: str, manifest: dict) -> None:
-    path = os.path.join(directory, MANIFEST)
-    with open(path + ".tmp", "w") as f:
+    with atomic_path(os.path.join(directory, MANIFEST)) as tmp, open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.write("\n")
-    os.replace(path + ".tmp", path)
 
 
 def _existing_prefix(names: list[str], pattern: str) -> list[str]:

@@ -29,17 +29,7 @@ def deepspeed_config(cfg: DictConfig, world_size: int) -> dict:
         "steps_per_print": 2**31 - 1,  # our own metrics report progress
         "wall_clock_breakdown": False,
     }
-    return _merge(config, OmegaConf.to_container(ds.extra, resolve=True))
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
+    return OmegaConf.to_container(OmegaConf.merge(config, ds.extra), resolve=True)  # deep: nested keys merge
 
 
 def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:

@@ -8,7 +8,6 @@ after every rank finished; ``latest`` moves only then. A save interrupted at any
 next run's start remove it, and loading it is refused.
 """
 import contextlib
-import os
 import re
 import shutil
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..atomic import atomic_path
 from ..distributed.engine import reapply_lr_schedule
 from ..tasks import build_model
 from ..tasks.config_checks import load_run_config
@@ -101,15 +101,14 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, *, keep_last: in
     with _writing(ckpt_dir, tag):
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
         path = _client_state_path(ckpt_dir, tag, rank)
-        torch.save(client_state, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
+        with atomic_path(path) as tmp:
+            torch.save(client_state, tmp)
     dist.barrier()  # every rank's files of this tag are on disk
     if rank == 0:
         with _writing(ckpt_dir, tag):
             (ckpt_dir / tag / COMPLETE).touch()
-            pointer = ckpt_dir / "latest"
-            pointer.with_suffix(".tmp").write_text(tag)
-            os.replace(pointer.with_suffix(".tmp"), pointer)
+            with atomic_path(ckpt_dir / "latest") as tmp:
+                tmp.write_text(tag)
         _prune(ckpt_dir, keep_last, keep=tag)
     dist.barrier()
     return tag
