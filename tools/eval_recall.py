@@ -45,6 +45,7 @@ def score(model, cfg, *, seq_len: int, num_pairs: int, rows: int, batch_size: in
     """One setting's accuracy, NLL and state size, or the reason it cannot run."""
     result = {"seq_len": seq_len, "num_pairs": num_pairs,
               "trained": seq_len == cfg.train.seq_len and num_pairs == cfg.recall.num_pairs}
+    batch_size = min(batch_size, rows)
     try:
         stream = MQARLoader(vocab_size=cfg.recall.vocab_size, seq_len=seq_len, num_pairs=num_pairs,
                             batch_size=batch_size, query_power=cfg.recall.query_power, seed=seed, split="test")

@@ -1,0 +1,180 @@
+"""MQAR across mixers, widths and seeds: one recall run per setting, each scored by eval_recall, one table and plot.
+
+    python tools/sweep_recall.py --configs configs/recall/*.yaml --widths 64 128 --seeds 0 1 --out runs/recall_sweep \\
+        --pairs 4 8 16 32 --seq-lens 128 256 --json benchmarks/recall_mqar.json --plot benchmarks/recall_mqar.png \\
+        train.max_steps=400
+
+Every run gets the same overrides (the budget), plus its width (``model.dim``) and seed (``run.seed``), so only the
+configs' own keys differ. Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python),
+and are scored by ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens``. A run whose ``eval.json`` exists
+is not redone, so an interrupted sweep continues where it stopped. Prints a markdown table of accuracy (mean over
+seeds) per mixer and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
+the decoding state's bytes, one panel per setting (the plot of Zoology, arXiv 2312.04927).
+"""
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pretrain.config import ConfigError  # noqa: E402
+from pretrain.tasks.config_checks import load_run_config  # noqa: E402
+
+
+def run_logged(command: list[str], log: Path) -> float:
+    """Run ``command`` with its output in ``log``; its wall time in seconds. A failure names the command and log."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    if code != 0:
+        raise SystemExit(f"exit {code}: {' '.join(command)}\n(see {log})")
+    return time.perf_counter() - start
+
+
+def mixer_label(cfg) -> str:
+    return "+".join(cfg.model.layer_pattern) if cfg.model.layer_pattern else cfg.model.mixer
+
+
+def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace) -> dict:
+    """Train and score one setting, or read its ``eval.json`` when an earlier sweep got that far."""
+    run_dir = args.out / f"{Path(config_path).stem}_d{width}_s{seed}"
+    result_file = run_dir / "eval.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overrides = [*args.overrides, f"model.dim={width}", f"run.seed={seed}", f"run.dir={run_dir}"]
+    train = [sys.executable, "launch/pretrain.py", "--config", config_path, *overrides]
+    train_s = run_logged(train, run_dir / "train.log")
+    evaluate = [sys.executable, "tools/eval_recall.py", "--run", str(run_dir), "--json", str(run_dir / "scores.json"),
+                "--pairs", *map(str, args.pairs), "--seq-lens", *map(str, args.seq_lens), "--rows", str(args.rows)]
+    run_logged(evaluate, run_dir / "eval.log")
+    scores = json.loads((run_dir / "scores.json").read_text())
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_run_config(config_path, overrides)
+    row = {"config": config_path, "mixer": mixer_label(cfg), "dim": width, "seed": seed,
+           "n_layers": cfg.model.n_layers, "train_seq_len": cfg.train.seq_len, "train_pairs": cfg.recall.num_pairs,
+           "steps": cfg.train.max_steps, "train_s": train_s,
+           "val_recall_accuracy": [m["val/recall_accuracy"] for m in metrics if "val/recall_accuracy" in m][-1],
+           "results": scores["results"], "train_command": " ".join(train), "eval_command": " ".join(evaluate)}
+    result_file.write_text(json.dumps(row, indent=1))
+    return row
+
+
+def settings_of(rows: list[dict]) -> list[tuple[int, int]]:
+    return sorted({(r["seq_len"], r["num_pairs"]) for row in rows for r in row["results"]})
+
+
+def summary(rows: list[dict]) -> dict[tuple[str, int], dict]:
+    """Per (mixer, width): the state bytes and the mean accuracy over seeds at each (seq_len, pairs) setting."""
+    grouped = defaultdict(list)
+    for row in rows:
+        grouped[row["mixer"], row["dim"]].append(row)
+    table = {}
+    for key, group in grouped.items():
+        accuracy, state = defaultdict(list), {}
+        for row in group:
+            for r in row["results"]:
+                if "accuracy" in r:
+                    accuracy[r["seq_len"], r["num_pairs"]].append(r["accuracy"])
+                    state[r["seq_len"]] = r["state_bytes"]
+        table[key] = {"accuracy": {s: mean(v) for s, v in accuracy.items()}, "state_bytes": state,
+                      "seeds": len(group)}
+    return table
+
+
+def markdown_table(rows: list[dict]) -> str:
+    settings, table = settings_of(rows), summary(rows)
+    head = ["mixer", "dim", "state bytes (train len)"] + [f"T={t} N={n}" for t, n in settings]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    trained = rows[0]["train_seq_len"]
+    for (mixer, dim), entry in table.items():
+        cells = [mixer, str(dim), f"{entry['state_bytes'].get(trained, float('nan')):,}"]
+        cells += [f"{entry['accuracy'][s]:.3f}" if s in entry["accuracy"] else "—" for s in settings]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings, table = settings_of(rows), summary(rows)
+    mixers = list(dict.fromkeys(mixer for mixer, _ in table))
+    fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings), 3.4), sharey=True, squeeze=False)
+    for ax, (seq_len, pairs) in zip(axes[0], settings):
+        for mixer in mixers:
+            points = sorted((e["state_bytes"][seq_len], e["accuracy"][seq_len, pairs])
+                            for (m, _), e in table.items() if m == mixer and (seq_len, pairs) in e["accuracy"])
+            if points:
+                ax.plot(*zip(*points), marker="o", label=mixer)
+        ax.set_xscale("log")
+        ax.set_title(f"T={seq_len}, {pairs} pairs", fontsize=9)
+        ax.set_xlabel("state bytes")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("recall accuracy")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", required=True, help="task: recall configs, one mixer each")
+    parser.add_argument("--widths", type=int, nargs="+", required=True, help="model.dim of each run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of each run")
+    parser.add_argument("--out", type=Path, required=True, help="folder of the run directories")
+    parser.add_argument("--pairs", type=int, nargs="+", required=True, help="numbers of pairs scored (eval_recall)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", required=True, help="lengths scored (eval_recall)")
+    parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
+    parser.add_argument("--json", type=Path, help="write every run's row (with its commands) here")
+    parser.add_argument("--plot", type=Path, help="write the accuracy-against-state-size plot here (PNG)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
+    args = parser.parse_args(argv)
+    _take_back_overrides(args, sys.argv[1:] if argv is None else argv)
+    for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
+        try:
+            cfg = load_run_config(config_path, [*args.overrides, f"model.dim={max(args.widths)}"])
+        except ConfigError as err:
+            parser.error(f"--configs {config_path}: {err}")
+        if cfg.task != "recall":
+            parser.error(f"--configs {config_path}: task {cfg.task!r}; the sweep trains task: recall configs")
+    rows = []
+    for width in args.widths:
+        for seed in args.seeds:
+            for config_path in args.configs:
+                rows.append(sweep_one(config_path, width, seed, args))
+                print(f"done {config_path} dim {width} seed {seed}: val accuracy "
+                      f"{rows[-1]['val_recall_accuracy']:.3f}", file=sys.stderr, flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"overrides": args.overrides, "pairs": args.pairs, "seq_lens": args.seq_lens,
+                                         "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    print(markdown_table(rows))
+    return 0
+
+
+def _take_back_overrides(args, argv: list[str]):
+    """``--configs`` takes every word after it, so overrides written after it would be read as files: wherever a
+    ``key=value`` that is no existing path stands, it is an override (in argv order)."""
+    def is_override(word):
+        return re.fullmatch(r"[A-Za-z_][\w.-]*=.*", word) is not None and not Path(word).exists()
+
+    args.overrides = [word for word in argv if is_override(word)]
+    args.configs = [word for word in args.configs if not is_override(word)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
