@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import benchlib  # noqa: E402  (tools/, beside this script)
+import benchlib  # tools/, beside this script
 
 
 def images_per_second(items: Iterable, limit: int, desc: str, count: Callable = len) -> float:

@@ -26,8 +26,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     import torch
     from tqdm import tqdm
 
-    from pretrain.tasks.config_checks import load_run_config
     from pretrain.data.image_loader import ImageLoader
+    from pretrain.tasks.config_checks import load_run_config
     from pretrain.tasks.vision import score_images
     from pretrain.train.checkpoint import load_trained_model
 

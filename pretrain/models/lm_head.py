@@ -80,5 +80,5 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_nll):
         grad_x, grad_w = ctx.saved_tensors
-        scale = lambda grad: None if grad is None else grad * grad_nll.to(grad.dtype)  # noqa: E731
+        scale = lambda grad: None if grad is None else grad * grad_nll.to(grad.dtype)
         return scale(grad_x), scale(grad_w), None, None, None, None

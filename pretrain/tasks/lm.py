@@ -8,7 +8,7 @@ import math
 from omegaconf import DictConfig
 
 from pretrain.config import ConfigError
-from pretrain.data import TokenLoader, Tokenizer
+from pretrain.data import Tokenizer, TokenLoader
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import read_shard_documents
 

@@ -38,9 +38,10 @@ def lm_overrides(lm_data):
 
 def vision_overrides(image_shards):
     return ["task=vision", f"data.train_shards={image_shards['train']}", f"data.val_shards={image_shards['val']}",
-            "data.num_workers=0", "vision.image_size=32", "vision.stage_dims=[8,8,8,8]", "vision.stage_depths=[1,1,1,1]",
-            "vision.stage_heads=[1,1,1,1]", "vision.stage_mixers=[linear,linear,linear,softmax]",
-            "train.micro_batch_size=2", "log.val_batches=2", "augment.mixup_alpha=0.2"]
+            "data.num_workers=0", "vision.image_size=32", "vision.stage_dims=[8,8,8,8]",
+            "vision.stage_depths=[1,1,1,1]", "vision.stage_heads=[1,1,1,1]",
+            "vision.stage_mixers=[linear,linear,linear,softmax]", "train.micro_batch_size=2", "log.val_batches=2",
+            "augment.mixup_alpha=0.2"]
 
 
 @pytest.fixture(params=["lm", "vision"])

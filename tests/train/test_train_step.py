@@ -15,6 +15,15 @@ class SquaredOutput:
         return model(batch.to(device)).square().sum(), batch.shape[0]
 
 
+def counting(collective, calls: list):
+    """``collective``, noting each call in ``calls``."""
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return collective(*args, **kwargs)
+
+    return counted
+
+
 def _check_steps(out) -> None:
     import torch.distributed as dist
 
@@ -36,12 +45,7 @@ def _check_steps(out) -> None:
             expected = sum(model(r).square().sum() / 2 for r in rows).item() / accum
 
             calls, real = [], dist.all_reduce
-
-            def counted(*args, **kwargs):
-                calls.append(args)
-                return real(*args, **kwargs)
-
-            dist.all_reduce = counted
+            dist.all_reduce = counting(real, calls)
             try:
                 stop = StopRequest()
                 step = train_step(engine, SquaredOutput(), iter(rows), world, accum, stop)
