@@ -22,11 +22,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib  # tools/, beside this script
-
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.ops import linear_attention, softmax_attention
 from pretrain.ops.precision import DTYPES
+
+import benchlib  # tools/, beside this script
 
 OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "softmax": lambda q, k, v: softmax_attention(q, k, v, causal=True),

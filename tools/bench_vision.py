@@ -23,11 +23,11 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import benchlib  # tools/, beside this script
-
 from pretrain.ops.precision import DTYPES
 from pretrain.tasks import build_model as build_run_model
 from pretrain.tasks.config_checks import load_run_config
+
+import benchlib  # tools/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 BACKBONES = {  # name: (stage mixers, mixer options over the preset's)

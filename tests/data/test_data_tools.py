@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.data import TokenLoader, Tokenizer
+from pretrain.data import Tokenizer, TokenLoader
+
+pytestmark = pytest.mark.dist  # each test runs a tool in its own process
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -274,6 +274,7 @@ def test_text_shards_and_bad_arguments_are_refused_naming_them(numbered_shards, 
         ImageLoader(images, image_size=8, batch_size=2, rank=0, world_size=8)
 
 
+@pytest.mark.dist
 def test_bench_images_reports_each_path_side_by_side(image_set):
     directory, _ = image_set
     tool = Path(__file__).resolve().parents[2] / "tools" / "bench_images.py"

@@ -53,6 +53,7 @@ def test_imports_run_downward(path):
     assert not upward, f"{path.name} ({own}) imports from a layer above it: {upward}"
 
 
+@pytest.mark.dist
 def test_the_schema_is_a_leaf():
     """Importing pretrain.config loads nothing of ours above it (nor DeepSpeed): every layer may import it."""
     code = "import sys, pretrain.config; print(*(m for m in sys.modules if m.startswith(('pretrain', 'deepspeed'))))"

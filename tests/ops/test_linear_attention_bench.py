@@ -1,33 +1,84 @@
-"""tools/bench_attention.py end to end on tiny shapes: records, plot and table, and a length that does not fit
-recorded as such rather than crashing the run."""
+"""The benchmark tools' plumbing, on stub steps: probes in fresh processes and the statuses of those that fail,
+timing rounds, a configuration too slow for rounds kept at its probe, the JSON, plot and table, and
+tools/bench_attention.py's probe mode. Nothing here measures anything: the figures are the tools' to make."""
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
-def test_bench_records_every_mixer_and_survives_a_length_that_does_not_fit(tmp_path):
-    out = tmp_path / "bench.json"
-    # --budget-s is far above what these shapes need, so both are timed in rounds even on a loaded machine.
-    # linear_naive builds a [H, T, T] fp32 matrix: 1 GiB at T = 16384, beyond what the probes may map besides torch
-    command = [sys.executable, str(ROOT / "tools/bench_attention.py"), "--device", "cpu", "--seq-lens", "64,16384",
-               "--mixers", "linear_chunk,linear_naive", "--heads", "1", "--head-dim", "8", "--repeats", "2",
-               "--cpu-mem-limit-gb", "1.5", "--budget-s", "30", "--probe-timeout", "120",
-               "--json", str(out), "--plot", str(tmp_path / "bench.png"), "--markdown", str(tmp_path / "bench.md")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+@pytest.fixture
+def tools(monkeypatch):
+    """``benchlib`` and ``bench_attention`` imported from tools/, as the scripts import each other."""
+    monkeypatch.syspath_prepend(str(TOOLS))
 
-    records = {(r["mixer"], r["seq_len"]): r for r in json.loads(out.read_text())}
-    assert set(records) == {(m, t) for m in ("linear_chunk", "linear_naive") for t in (64, 16384)}
-    for key in [("linear_chunk", 64), ("linear_naive", 64)]:
-        r = records[key]
-        assert r["status"] == "ok", r
-        assert r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["peak_mem_bytes"] > 0 and r["repeats"] == 2
-    assert records[("linear_naive", 16384)]["status"] == "oom", records[("linear_naive", 16384)]
-    assert records[("linear_naive", 16384)]["fwd_ms"] is None
-    assert records[("linear_chunk", 16384)]["status"] == "ok"
-    assert (tmp_path / "bench.png").stat().st_size > 0
-    table = (tmp_path / "bench.md").read_text()
-    assert "| 16384 | linear_naive | oom |" in table
+    def load(name):
+        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return SimpleNamespace(benchlib=load("benchlib"), bench_attention=load("bench_attention"))
+
+
+@pytest.mark.dist
+def test_a_probe_that_fails_becomes_a_status_not_an_exception(tools):
+    run = tools.benchlib.run_probe
+    python = [sys.executable, "-c"]
+    ok = run([*python, "print('log line'); print('{\"fwd_s\": 1, \"fwd_bwd_s\": 2, \"peak_mem_bytes\": 3}')"], "cpu",
+             cpu_mem_limit_gb=4, timeout_s=60)
+    assert ok == {"status": "ok", "fwd_s": 1, "fwd_bwd_s": 2, "peak_mem_bytes": 3}
+    oom = run([*python, "import torch; torch.empty(2**31)"], "cpu", cpu_mem_limit_gb=1.5, timeout_s=120)
+    assert oom["status"] == "oom", oom
+    error = run([*python, "raise SystemExit('shapes do not match')"], "cpu", cpu_mem_limit_gb=4, timeout_s=60)
+    assert error == {"status": "error", "error": "shapes do not match"}
+    slow = run([*python, "import time; time.sleep(60)"], "cpu", cpu_mem_limit_gb=4, timeout_s=0.5)
+    assert slow["status"] == "timeout"
+
+
+def stub_step(name: str):
+    """A forward over fixed inputs whose output is backpropagated: all a measured configuration needs to be."""
+    weight = torch.ones(4, requires_grad=True)
+    return lambda: weight * 2
+
+
+def test_side_by_side_measures_what_fits_and_keeps_the_rest_at_their_probe(tools):
+    probes = {"fits": {"status": "ok", "fwd_s": 0.0, "fwd_bwd_s": 0.0, "peak_mem_bytes": 100},
+              "too_slow": {"status": "ok", "fwd_s": 40.0, "fwd_bwd_s": 60.0, "peak_mem_bytes": 200},
+              "oom": {"status": "oom", "error": "can't allocate memory"}}
+    records = tools.benchlib.measure_side_by_side(list(probes), probe_one=probes.__getitem__, build_step=stub_step,
+                                                  device="cpu", repeats=3, budget_s=30.0, label="stub")
+    assert records["fits"]["status"] == "ok" and records["fits"]["repeats"] == 3
+    assert records["fits"]["fwd_ms"] >= 0 and records["fits"]["peak_mem_bytes"] == 100
+    assert records["too_slow"] | {"load_avg": None} == {"status": "ok", "fwd_ms": 40e3, "fwd_bwd_ms": 60e3,
+                                                        "peak_mem_bytes": 200, "repeats": 1, "load_avg": None}
+    assert records["oom"]["status"] == "oom" and records["oom"]["fwd_ms"] is None and records["oom"]["repeats"] == 0
+
+
+def test_reports_hold_every_record(tools, tmp_path):
+    records = [{"mixer": "softmax", "seq_len": 64, "status": "ok", "fwd_ms": 2.0, "fwd_bwd_ms": 6.0,
+                "peak_mem_bytes": 2**20, "repeats": 2},
+               {"mixer": "linear_chunk", "seq_len": 64, "status": "ok", "fwd_ms": 1.0, "fwd_bwd_ms": 3.0,
+                "peak_mem_bytes": 2**20, "repeats": 2},
+               {"mixer": "softmax", "seq_len": 16384, "status": "oom", "fwd_ms": None, "fwd_bwd_ms": None,
+                "peak_mem_bytes": None, "repeats": 0}]
+    args = SimpleNamespace(json=tmp_path / "bench.json", plot=tmp_path / "bench.png", markdown=tmp_path / "bench.md")
+    tools.benchlib.write_reports(records, args, "stub", x="seq_len", series="mixer", x_label="sequence length T",
+                                 x_header="T", baseline="softmax")
+    assert json.loads(args.json.read_text()) == records
+    assert args.plot.stat().st_size > 0
+    table = args.markdown.read_text()
+    assert "| 64 | linear_chunk | 1.0 | 3.0 | 1 | 2.00× | 2 |" in table and "| 16384 | softmax | oom |" in table
+
+
+def test_bench_attention_probe_mode_prints_one_json_record(tools, capsys):
+    tools.bench_attention.main(["--probe", "linear_chunk", "--probe-len", "16", "--heads", "1", "--head-dim", "4",
+                                "--threads", "1"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(record) == {"fwd_s", "fwd_bwd_s", "peak_mem_bytes"}

@@ -3,7 +3,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from launching import REPO, tiny_overrides
+
+pytestmark = pytest.mark.dist
 
 CONFIGS = ["configs/tiny_lm.yaml", "configs/lm/linear_tiny.yaml"]
 

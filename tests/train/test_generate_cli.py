@@ -2,7 +2,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from launching import REPO, launch, tiny_overrides
+
+pytestmark = pytest.mark.dist
 
 
 def test_generate_cli_on_a_trained_run(lm_data, tmp_path):

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.dist
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
