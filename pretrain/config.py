@@ -271,7 +271,8 @@ def _validate(cfg: DictConfig) -> None:
 
     sp = cfg.parallel.sequence_parallel
     require(cfg, "parallel.sequence_parallel", sp >= 1, "must be >= 1")
-    require(cfg, "parallel.sequence_parallel", sp == 1 or cfg.task == "lm", "splits LM rows; task vision has none")
+    require(cfg, "parallel.sequence_parallel", sp == 1 or cfg.task == "lm",
+            "splits LM rows; task vision has none and task recall trains whole rows")
     require(cfg, "parallel.sequence_parallel", cfg.train.seq_len % sp == 0,
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
 

@@ -61,9 +61,7 @@ class RecallTask:
 
     def __init__(self, cfg: DictConfig, world):
         check_recall_config(cfg)
-        self.cfg, self.world, t = cfg, world, cfg.train
-        if world.sequence is not None:
-            raise ConfigError("parallel.sequence_parallel", "task recall trains whole rows; set it to 1")
+        self.cfg, self.world, t = cfg, world, cfg.train  # whole rows: the config refuses sequence parallelism
         self.loader = self.stream("train", cfg.run.seed, rank=world.data_rank, world_size=world.data_size)
         self.units_per_micro_batch = t.micro_batch_size * t.seq_len
 

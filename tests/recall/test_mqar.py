@@ -90,6 +90,8 @@ def test_impossible_settings_name_the_key():
         load_run_config("configs/recall/softmax.yaml", ["recall.query_power=0"])
     with pytest.raises(ConfigError, match="^model.vocab_size: 100 is smaller than recall.vocab_size 256"):
         load_run_config("configs/recall/softmax.yaml", ["model.vocab_size=100"])
+    with pytest.raises(ConfigError, match="^parallel.sequence_parallel: .*task recall trains whole rows"):
+        load_run_config("configs/recall/softmax.yaml", ["parallel.sequence_parallel=2"])
     cfg = load_run_config("configs/recall/softmax.yaml", [])
     assert cfg.model.vocab_size == cfg.recall.vocab_size and cfg.data.tokenizer is None
 
