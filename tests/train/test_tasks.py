@@ -44,8 +44,14 @@ def vision_overrides(image_shards):
             "augment.mixup_alpha=0.2"]
 
 
-@pytest.fixture(params=["lm", "vision"])
+RECALL_OVERRIDES = ["task=recall", "recall.vocab_size=64", "recall.num_pairs=4", "model.dim=32", "model.n_layers=1",
+                    "model.n_heads=2", "train.seq_len=32", "train.micro_batch_size=2", "log.val_batches=2"]
+
+
+@pytest.fixture(params=["lm", "vision", "recall"])
 def task_cfg(request, lm_data, image_shards):
+    if request.param == "recall":  # generated rows: no data to point at
+        return load_run_config(None, RECALL_OVERRIDES)
     overrides = lm_overrides(lm_data) if request.param == "lm" else vision_overrides(image_shards)
     return load_run_config(None, overrides)
 
