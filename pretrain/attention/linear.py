@@ -9,6 +9,7 @@ from torch import nn
 
 from ..ops.linear_attention import linear_attention
 from .base import Mixer
+from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import linear_attention_entering
 
@@ -40,7 +41,8 @@ class LinearAttention(Mixer):
             raise ValueError("feature_map='identity' can make the divisive denominator vanish; "
                              "use normalize='none' (with output_norm=True)")
         self.feature_map, self.normalize, self.chunk_size, self.impl = feature_map, normalize, chunk_size, impl
-        self.out_norm = nn.RMSNorm(self.head_dim) if output_norm else nn.Identity()
+        eps = torch.finfo(torch.float32).eps  # nn.RMSNorm's default for fp32, which this norm used to be
+        self.out_norm = RMSNorm(self.head_dim, eps=eps) if output_norm else nn.Identity()
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape

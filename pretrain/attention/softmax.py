@@ -10,6 +10,7 @@ from torch import nn
 from ..ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention
 from ..parallel import gather_positions, slice_layout
 from .base import Mixer
+from .norm import RMSNorm
 from .registry import register
 
 
@@ -32,8 +33,9 @@ class SoftmaxAttention(Mixer):
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension; dim {dim} / num_heads {num_heads} = {self.head_dim}")
         self.rope_theta = rope_theta
-        self.q_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim) if qk_norm else nn.Identity()
+        eps = torch.finfo(torch.float32).eps  # nn.RMSNorm's default for fp32, which these norms used to be
+        self.q_norm = RMSNorm(self.head_dim, eps=eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, eps=eps) if qk_norm else nn.Identity()
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         """``hw=(H, W)``: the tokens are an image grid; attend to all of it without RoPE."""

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from ..attention import build_mixer, mixer_options
+from ..attention.norm import RMSNorm
 from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
-from .layers import RMSNorm, SwiGLU, init_weights, swiglu_hidden
+from .layers import SwiGLU, init_weights, swiglu_hidden
 from .lm_head import LMHead
 
 # Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).

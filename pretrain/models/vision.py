@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from ..attention import build_mixer
+from ..attention.norm import RMSNorm
 from ..config import ModelConfig, VisionConfig
-from .layers import RMSNorm, SwiGLU, init_weights
+from .layers import SwiGLU, init_weights
 
 
 def tokens_to_grid(x: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from pretrain.attention import REGISTRY
+from pretrain.attention.norm import RMSNorm
 from pretrain.config import ModelConfig
 from pretrain.models import build_lm
-from pretrain.models.layers import RMSNorm
 
 
 def model_cfg(**overrides) -> ModelConfig:
@@ -79,7 +79,7 @@ def test_layer_pattern_repeats_to_n_layers_and_options_reach_the_mixer(token_shi
     assert [type(block.mixer).__name__ for block in model.layers] == ["TokenShift", "SoftmaxAttention"] * 2
     assert model.layers[0].mixer.scale == 0.5
     softmax = model.layers[1].mixer
-    assert softmax.rope_theta == 123.0 and isinstance(softmax.q_norm, nn.RMSNorm)  # model.rope_theta is shared
+    assert softmax.rope_theta == 123.0 and isinstance(softmax.q_norm, RMSNorm)  # model.rope_theta is shared
     override = build_lm(model_cfg(mixer_options={"softmax": {"rope_theta": 7.0}}))
     assert override.layers[0].mixer.rope_theta == 7.0  # the mixer's own option wins
 
@@ -88,7 +88,7 @@ def test_tied_and_untied_embeddings():
     tied, untied = build_lm(model_cfg()), build_lm(model_cfg(tie_embeddings=False))
     assert tied.lm_head.weight is tied.embed.weight
     assert untied.lm_head.weight is not untied.embed.weight
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    count = lambda m: sum(p.numel() for p in m.parameters())
     assert count(untied) - count(tied) == 50 * 32
 
 
@@ -207,3 +207,20 @@ def test_an_omegaconf_node_is_refused_with_the_conversion_to_use():
 
     with pytest.raises(TypeError, match=r"OmegaConf.to_object\(cfg.model\)"):
         build_lm(OmegaConf.structured(model_cfg()))
+
+
+def test_the_mixers_per_head_norm_equals_torchs_rmsnorm_it_replaced():
+    """The q/k and output norms moved from nn.RMSNorm to ours with nn.RMSNorm's fp32 eps: same values and gradients."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 3, 16, requires_grad=True)
+    ours, torchs = RMSNorm(16, eps=torch.finfo(torch.float32).eps), nn.RMSNorm(16)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        torchs.weight.copy_(ours.weight)
+    grad = torch.randn(2, 7, 3, 16)
+    out, ref = ours(x), torchs(x)
+    torch.testing.assert_close(out, ref)
+    dx, dw = torch.autograd.grad(out, (x, ours.weight), grad)
+    dx_ref, dw_ref = torch.autograd.grad(ref, (x, torchs.weight), grad)
+    torch.testing.assert_close(dx, dx_ref)
+    torch.testing.assert_close(dw, dw_ref)

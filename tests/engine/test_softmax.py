@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from pretrain.attention import REGISTRY, build_mixer
+from pretrain.attention.norm import RMSNorm
 from pretrain.ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention, softmax_attention_naive
 
 SHAPES = [(1, 1, 1, 8), (2, 7, 3, 24), (3, 33, 2, 16), (1, 64, 4, 32)]  # B, T, H, D: awkward and ordinary
@@ -98,7 +99,7 @@ def test_rope_scores_depend_only_on_relative_position():
 def test_mixer_is_registered_causal_with_its_options():
     assert REGISTRY["softmax"].supports_causal
     mixer = build_mixer("softmax", 32, 4, causal=True, options={"rope_theta": 500.0, "qk_norm": True})
-    assert mixer.rope_theta == 500.0 and isinstance(mixer.q_norm, torch.nn.RMSNorm)
+    assert mixer.rope_theta == 500.0 and isinstance(mixer.q_norm, RMSNorm)
     with pytest.raises(ValueError, match="even head dimension"):
         build_mixer("softmax", 12, 4, causal=True)
 
