@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from pretrain.data import ShardError
-    from pretrain.train import CheckpointError, NonFiniteLossError, train
+    from pretrain.train import CheckpointError, NonFiniteLossError, RankLostError, train
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"config error: {err}", file=sys.stderr)
         return 1
-    except (NonFiniteLossError, ShardError, CheckpointError, OSError) as err:  # one line naming the file, no traceback
+    except (NonFiniteLossError, RankLostError, ShardError, CheckpointError, OSError) as err:  # one line, no traceback
         print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}", file=sys.stderr)
         return 1
     return 0

@@ -1,6 +1,7 @@
 """One process group for every launcher: ``deepspeed``, ``torchrun`` and plain ``python`` (a world of one)."""
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ class World:
     local_rank: int
     device: torch.device
     sequence: SequenceShard | None = None  # this rank's slice of every row, under sequence parallelism
+    processes: tuple[tuple[str, int], ...] = ()  # (host, pid) of every rank, to name one that dies
 
     @property
     def is_main(self) -> bool:
@@ -55,8 +57,35 @@ def init_process_group() -> World:
         device, backend = torch.device("cpu"), "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     _unlink_shm_allreduce_buffer()
+    processes = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(processes, (socket.gethostname(), os.getpid()))
     return World(rank=torch.distributed.get_rank(), world_size=torch.distributed.get_world_size(),
-                 local_rank=local_rank, device=device)
+                 local_rank=local_rank, device=device, processes=tuple(processes))
+
+
+def lost_a_rank(err: BaseException) -> bool:
+    """Whether a collective failed because another rank is gone. NCCL raises a DistError; gloo a bare RuntimeError
+    about the connection its peer closed (or reset)."""
+    return isinstance(err, torch.distributed.DistError) or (isinstance(err, RuntimeError) and "by peer" in str(err))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a killed rank stays a zombie until its launcher reaps it
+
+
+def gone_ranks(world: World, wait_s: float) -> list[int]:
+    """The ranks on this host whose process has ended, waiting a little for a dying one to finish exiting (its
+    sockets close before it is gone). Ranks on other hosts cannot be checked from here."""
+    host, deadline = socket.gethostname(), time.monotonic() + wait_s
+    while True:
+        gone = [rank for rank, (where, pid) in enumerate(world.processes) if where == host and not _alive(pid)]
+        if gone or time.monotonic() > deadline:
+            return gone
+        time.sleep(0.05)
 
 
 def close_process_group() -> None:

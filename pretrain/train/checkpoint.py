@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..atomic import atomic_path
 from ..distributed.engine import reapply_lr_schedule
+from ..distributed.process_group import lost_a_rank
 from ..tasks import build_model
 from ..tasks.config_checks import load_run_config
 
@@ -83,7 +84,7 @@ def _writing(ckpt_dir: Path, tag: str):
     try:
         yield
     except (OSError, RuntimeError) as err:
-        if isinstance(err, dist.DistError):  # a rank died; not a write failure
+        if lost_a_rank(err):  # a collective inside the save failed: not a write failure
             raise
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
         cause = (str(err).strip().splitlines() or [type(err).__name__])[0]

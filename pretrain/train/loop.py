@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrain.distributed import (World, apply_activation_checkpointing, apply_sequence_parallel, build_engine,
                                   close_process_group, init_process_group, split_sequences)
 from pretrain.distributed.engine import step_with_grad_norm
+from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.tasks import build_task
 
 from . import checkpoint
@@ -27,6 +28,10 @@ from .preemption import StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
 from .schedule import lr_at
+
+
+class RankLostError(RuntimeError):
+    """Another rank died mid-run; this one stops too, naming it and the checkpoint a relaunch resumes from."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -166,6 +171,15 @@ class Trainer:
             f"{key.removeprefix('val/').replace('_', ' ')} {value:.4f}" if isinstance(value, float) else
             f"{key.removeprefix('val/')} {value}" for key, value in values.items()))
 
+    def lost_rank_message(self, gone: list[int]) -> str:
+        who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(str(r) for r in gone)} (pid "
+               f"{', '.join(str(self.world.processes[r][1]) for r in gone)}) died" if gone else
+               "another rank died (on another host, or it closed its connection)")
+        latest = checkpoint.latest_tag(self.ckpt_dir)
+        resume = (f"relaunch the same command to resume from {self.ckpt_dir / latest}" if latest else
+                  "no checkpoint was saved yet: a relaunch starts afresh")
+        return f"{who} at step {self.counters.step}; rank {self.world.rank} stops too: {resume}"
+
     def count_bad_step(self, loss: float | None, grad_norm: float) -> None:
         """Count a non-finite step; stop the run after ``train.max_nonfinite_steps`` of them in a row."""
         c, limit = self.counters, self.cfg.train.max_nonfinite_steps
@@ -243,9 +257,19 @@ class Trainer:
 
 def train(cfg: DictConfig) -> None:
     """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
+    trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.resume()
         trainer.run()
+    except Exception as err:
+        # A dead rank shows here as a failed collective, or as the launcher's SIGTERM to this rank's loader worker
+        # (DeepSpeed's launcher terminates every process it started): either way, its death is the news.
+        if trainer is None or trainer.world.world_size == 1:
+            raise
+        gone = gone_ranks(trainer.world, wait_s=3.0 if lost_a_rank(err) else 0.0)
+        if not (gone or lost_a_rank(err)):
+            raise
+        raise RankLostError(trainer.lost_rank_message(gone)) from err
     finally:
         close_process_group()

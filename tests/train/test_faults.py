@@ -7,6 +7,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -30,7 +31,11 @@ def start(overrides: list[str], ranks: int = 1, launcher: str = "python") -> sub
         argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                 "launch/pretrain.py"]
     else:
-        argv = [PYTHON, "-m", "deepspeed.launcher.runner", f"--num_gpus={ranks}", "launch/pretrain.py"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [PYTHON, "-m", "deepspeed.launcher.runner", f"--num_gpus={ranks}", f"--master_port={port}",
+                "launch/pretrain.py"]
     return subprocess.Popen(argv + ["--config", "configs/tiny_lm.yaml", *overrides], cwd=REPO,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -46,36 +51,54 @@ def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 1
         time.sleep(0.01)
 
 
-def session_processes(session: int) -> list[int]:
-    """Live processes of a session (the launcher's, its ranks' and their workers')."""
-    pids = []
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (zombies are dead)."""
+    found = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == session and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+        if fields[0] not in ("Z", "X"):
+            found[int(stat.parent.name)] = int(fields[1])
+    return found
+
+
+def process_tree(root: int) -> set[int]:
+    """A live process and its live descendants (a launcher, its ranks and their loader workers)."""
+    links, tree = parents(), {root}
+    grew = True
+    while grew:
+        grown = tree | {pid for pid, parent in links.items() if parent in tree}
+        grew, tree = grown != tree, grown
+    return tree & set(links)
+
+
+def kill_tree(pids: set[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def kill_session(process: subprocess.Popen) -> None:
-    for pid in session_processes(process.pid):
-        os.kill(pid, signal.SIGKILL)
+    kill_tree(process_tree(process.pid))
 
 
 def finish(process: subprocess.Popen, timeout: float = PROMPTLY) -> str:
-    """The run's output once it ended by itself, within ``timeout``; no process of its session may outlive it."""
+    """The run's output once it ended by itself, within ``timeout``; none of its processes may outlive it."""
+    running = process_tree(process.pid)
     try:
         output = process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        kill_session(process)
+        kill_tree(running | process_tree(process.pid))
         raise AssertionError(f"the run did not end within {timeout} s:\n{process.communicate()[0][-4000:]}")
     deadline = time.time() + 10  # workers notice a dead parent within seconds
-    while session_processes(process.pid) and time.time() < deadline:
+    while running & set(parents()) and time.time() < deadline:
         time.sleep(0.1)
-    left = session_processes(process.pid)
-    kill_session(process)
+    left = running & set(parents())
+    kill_tree(left)
     assert not left, f"processes left behind: {left}\n{output[-4000:]}"
     return output
 
@@ -229,3 +252,45 @@ def test_make_shards_verify_finds_a_corrupt_shard_up_front(lm_data, tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.startswith("error: 1 of 12 shards fail verification: ") and "shard-000004.tar" in bad.stderr
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int | None:
+    """The pid of a launched rank: the process with that RANK whose parent has none (its loader workers have)."""
+    def env_rank(pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        return next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+
+    def parent(pid):
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return None
+
+    for pid in process_tree(launcher_pid):
+        if env_rank(pid) == rank and env_rank(parent(pid)) is None:
+            return pid
+    return None
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm_data, tmp_path, launcher):
+    """SIGKILL one of two ranks after the first checkpoint: the launcher must end the job, non-zero, within a bounded
+    time, and the surviving rank say which rank died and which checkpoint a relaunch resumes from."""
+    run = tmp_path / "run"
+    process = start(tiny_overrides(lm_data, run, data__num_workers=1, train__max_steps=10_000, checkpoint__every=3,
+                                   log__val_every=10_000), ranks=2, launcher=launcher)
+    ckpts = run / "checkpoints"
+    wait_for(lambda: checkpoint.latest_tag(ckpts) is not None and rank_pid(process.pid, 1), process,
+             "first checkpoint")
+    victim = rank_pid(process.pid, 1)
+    os.kill(victim, signal.SIGKILL)
+    output = finish(process)
+    assert process.returncode != 0, output[-4000:]
+    latest = checkpoint.latest_tag(ckpts)
+    said = [line for line in output.splitlines() if "error on rank 0: " in line]
+    assert len(said) == 1, output[-4000:]
+    assert f"rank 1 (pid {victim}) died at step" in said[0], said
+    assert f"relaunch the same command to resume from {ckpts / latest}" in said[0], said
