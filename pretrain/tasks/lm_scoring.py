@@ -102,15 +102,16 @@ def batch_nll(model: Callable, batch: dict[str, torch.Tensor], device: torch.dev
     """
     if sequence is not None:
         batch = shard_rows(batch, sequence)
+    count = int((batch["labels"] != IGNORE).sum())  # counted where the batch was made: no wait on the device
     labels = batch["labels"].to(device)
     input_ids, position_ids = batch["input_ids"].to(device), batch["position_ids"].to(device)
-    scored = labels != IGNORE
     if by_position is None:
-        return model(input_ids, position_ids=position_ids, labels=labels), int(scored.sum())
+        return model(input_ids, position_ids=position_ids, labels=labels), count
     token_nll = model(input_ids, position_ids=position_ids, labels=labels, reduction="none")
+    scored = labels != IGNORE
     bucket = position_bucket(batch["target_positions"].to(device)[scored])
     by_position.index_add_(0, bucket, torch.stack([token_nll[scored].double(), torch.ones_like(bucket).double()], 1))
-    return token_nll.sum(), int(scored.sum())
+    return token_nll.sum(), count
 
 
 def position_bucket(positions: torch.Tensor) -> torch.Tensor:
