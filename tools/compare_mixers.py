@@ -86,13 +86,17 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", required=True, help="LM configs, one run each, in this order")
+    parser.add_argument("--configs", nargs="+", required=True, action=FilesAmongOverrides,
+                        help="LM configs, one run each, in this order")
     parser.add_argument("--out", type=Path, required=True, help="folder of the run directories (one per config)")
-    parser.add_argument("--eval-data", nargs="+", required=True, help="held-out text files or shards (eval_ppl --data)")
+    parser.add_argument("--eval-data", nargs="+", required=True, action=FilesAmongOverrides,
+                        help="held-out text files or shards (eval_ppl --data)")
     parser.add_argument("--json", type=Path, help="also write every row (with its commands) here")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
-    args = parser.parse_args(argv)
-    _take_back_overrides(args, sys.argv[1:] if argv is None else argv, parser)
+    parser.add_argument("overrides", nargs="*", action="extend", type=override, default=[],
+                        help="key=value overrides given to every run: the shared budget (anywhere on the line)")
+    parser.set_defaults(overrides_among_files=[])
+    args = parser.parse_intermixed_args(argv)  # overrides may stand between options, in more than one place
+    args.overrides = [*args.overrides_among_files, *args.overrides]
     for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
         try:
             load_run_config(config_path, args.overrides)
@@ -109,18 +113,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _take_back_overrides(args, argv: list[str], parser):
-    """``--configs`` and ``--eval-data`` take every word after them, so overrides written after either would be
-    read as files: wherever a ``key=value`` that is no existing path stands, it is an override (in argv order)."""
-    def is_override(word):
-        return re.fullmatch(r"[A-Za-z_][\w.-]*=.*", word) is not None and not Path(word).exists()
+def is_override(word: str) -> bool:
+    """``dotted.key=value`` that is no existing path."""
+    return re.fullmatch(r"[A-Za-z_][\w.-]*=.*", word) is not None and not Path(word).exists()
 
-    args.overrides = [word for word in argv if is_override(word)]
-    args.configs = [word for word in args.configs if not is_override(word)]
-    args.eval_data = [word for word in args.eval_data if not is_override(word)]
-    for option, words in (("--configs", args.configs), ("--eval-data", args.eval_data)):
-        if not words:
-            parser.error(f"{option} names no file (only key=value overrides followed it)")
+
+def override(word: str) -> str:
+    if not is_override(word):
+        raise argparse.ArgumentTypeError(f"{word!r} is not a dotted.key=value override")
+    return word
+
+
+class FilesAmongOverrides(argparse.Action):
+    """``--configs`` and ``--eval-data`` take every word after them, so overrides written after either reach them:
+    the ``key=value`` words among those are overrides, which ``main`` puts before the others."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        files = [word for word in values if not is_override(word)]
+        if not files:
+            parser.error(f"{option_string} names no file (only key=value overrides followed it)")
+        setattr(namespace, self.dest, files)
+        namespace.overrides_among_files += [word for word in values if is_override(word)]
 
 
 if __name__ == "__main__":
