@@ -8,6 +8,8 @@ import torch
 
 from pretrain.parallel import SequenceShard
 
+from .build_locks import check_build_locks
+
 
 @dataclass(frozen=True)
 class World:
@@ -55,6 +57,7 @@ def init_process_group() -> World:
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
+        check_build_locks()  # DeepSpeed loads (or first builds) its CPU comm op in init_distributed
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     _unlink_shm_allreduce_buffer()
     processes = [None] * torch.distributed.get_world_size()

@@ -294,3 +294,32 @@ def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm
     assert len(said) == 1, output[-4000:]
     assert f"rank 1 (pid {victim}) died at step" in said[0], said
     assert f"relaunch the same command to resume from {ckpts / latest}" in said[0], said
+
+
+def test_a_build_lock_is_stale_only_when_no_process_holds_it(tmp_path):
+    from pretrain.distributed.build_locks import stale_build_locks
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    fd = os.open(lock, os.O_CREAT | os.O_EXCL)  # as torch's FileBaton takes it, held by this live process
+    try:
+        assert stale_build_locks(str(tmp_path), recheck_after_s=0) == []
+    finally:
+        os.close(fd)
+    assert stale_build_locks(str(tmp_path), recheck_after_s=0) == [str(lock)]
+
+
+def test_a_stale_comm_op_build_lock_ends_the_run_naming_what_to_remove(lm_data, tmp_path):
+    """A build of DeepSpeed's CPU comm op killed midway leaves its lock; torch would wait on it forever. In a private
+    TORCH_EXTENSIONS_DIR (never the shared cache), the run must end at once naming the directory to remove."""
+    extensions = tmp_path / "torch_extensions"
+    lock = extensions / "deepspeed_shm_comm" / "lock"  # where torch builds the op under TORCH_EXTENSIONS_DIR
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(extensions))
+    process = subprocess.Popen([PYTHON, "launch/pretrain.py", "--config", "configs/tiny_lm.yaml",
+                                *tiny_overrides(lm_data, tmp_path / "run")], cwd=REPO, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = finish(process, timeout=60)
+    assert process.returncode == 1 and "Traceback" not in output, output[-4000:]
+    assert f"error: {lock} is a stale lock" in output and f"remove {lock.parent} " in output, output[-4000:]
