@@ -28,8 +28,8 @@ def _held_open(path: str) -> bool:
 
 def stale_build_locks(root: str, recheck_after_s: float = 1.0) -> list[str]:
     """Build locks under ``root`` (torch's extensions directory, or a folder in it) that no process holds open.
-    Linux only (``/proc``); elsewhere none are reported. A lock seen unheld is looked at again after ``recheck_after_s``: a finishing build
-    closes its lock just before it removes it."""
+    Linux only (``/proc``); elsewhere none are reported. A lock seen unheld is looked at again after
+    ``recheck_after_s``: a finishing build closes its lock just before it removes it."""
     locks = glob(os.path.join(root, "*", "lock")) + glob(os.path.join(root, "*", "*", "lock"))
     if not locks or not os.path.isdir("/proc/self/fd"):
         return []
