@@ -16,10 +16,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config (see configs/ and pretrain/config.py)")
     parser.add_argument("--dry-run", action="store_true",
                         help="build the model on the meta device and print parameters, FLOPs per token (per image "

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.ops import linear_attention, softmax_attention
@@ -84,7 +85,7 @@ def measure_length(seq_len: int, args) -> list[dict]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--seq-lens", default="1024,4096,16384,65536", help="comma-separated sequence lengths")
     p.add_argument("--mixers", default="softmax,linear",
                    help=f"comma-separated: ops {sorted(OPS)}, or registered modules {sorted(REGISTRY)} "

@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -49,8 +50,9 @@ def tokens_per_second(batches, limit: int, desc: str, count) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", default=None, help="a shard pattern or directory (default: synthetic shards)")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--data", "--shards", dest="data", default=None,
+                        help="a shard pattern or directory (default: synthetic shards)")
     parser.add_argument("--tokens", type=int, default=20_000_000, help="tokens to read per measurement")
     parser.add_argument("--mean-doc-tokens", type=int, default=500, help="synthetic document length (median)")
     parser.add_argument("--docs-per-shard", type=int, default=10_000, help="synthetic shard size")
@@ -63,7 +65,7 @@ def main() -> int:
     from pretrain.data import TokenLoader, read_documents
 
     with tempfile.TemporaryDirectory() as scratch:
-        pattern = args.shards
+        pattern = args.data
         if pattern is None:
             pattern = scratch
             write_synthetic_shards(scratch, args.tokens, args.mean_doc_tokens, args.docs_per_shard)
@@ -81,7 +83,7 @@ def main() -> int:
 
         packed = packed_tokens_per_second(0)
         with_workers = packed_tokens_per_second(args.workers) if args.workers else None
-    print(f"\nshards: {args.shards or f'synthetic, median {args.mean_doc_tokens} tokens a document'}; "
+    print(f"\nshards: {args.data or f'synthetic, median {args.mean_doc_tokens} tokens a document'}; "
           f"seq_len={args.seq_len} batch_size={args.batch_size} shuffle_buffer={args.shuffle_buffer}")
     print(f"  read    {read / 1e6:8.2f} M tokens/s")
     print(f"  packed  {packed / 1e6:8.2f} M tokens/s   (packed/read = {packed / read:.2f})")

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 import benchlib  # tools/, beside this script
 
@@ -57,8 +58,8 @@ def model_images_per_second(config: str, image_size: int, batch_size: int, steps
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", required=True, help="image shards: a directory or a pattern")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--data", "--shards", dest="data", required=True, help="image shards: a directory or a pattern")
     parser.add_argument("--images", type=int, default=10_000, help="images per measurement")
     parser.add_argument("--image-size", type=int, default=224, help="output side (training crop, eval crop)")
     parser.add_argument("--batch-size", type=int, default=64)
@@ -77,13 +78,13 @@ def main() -> int:
     from pretrain.data import ImageLoader
 
     def loader(**options):
-        return ImageLoader(args.shards, image_size=args.image_size, batch_size=args.batch_size,
+        return ImageLoader(args.data, image_size=args.image_size, batch_size=args.batch_size,
                            crop_scale=args.crop_scale, eval_crop_ratio=args.eval_crop_ratio, **options)
 
     def batch_size(batch):
         return len(batch["labels"])
 
-    rates = {"decode": images_per_second(decoded(args.shards), args.images, "decode", lambda _: 1),
+    rates = {"decode": images_per_second(decoded(args.data), args.images, "decode", lambda _: 1),
              "train, 0 workers": images_per_second(loader(num_workers=0), args.images, "train, 0 workers",
                                                    batch_size)}
     if args.workers:
@@ -95,7 +96,7 @@ def main() -> int:
         rates["model"] = model_images_per_second(args.model_config, args.image_size, args.batch_size,
                                                  args.model_steps)
 
-    print(f"\nshards: {args.shards}; image_size={args.image_size} batch_size={args.batch_size} "
+    print(f"\nshards: {args.data}; image_size={args.image_size} batch_size={args.batch_size} "
           f"crop_scale={tuple(args.crop_scale)} eval_crop_ratio={args.eval_crop_ratio}; {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
     for name, rate in rates.items():

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 
 def model_overrides(args) -> list[str]:
@@ -131,7 +132,7 @@ def markdown(records: list[dict], args) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--sizes", default="1,2", help="sequence-parallel sizes N to compare")
     parser.add_argument("--seq-lens", default="16384,32768,65536,131072,262144", help="row lengths, ascending")
     parser.add_argument("--budget-gb", type=float, default=2.0, help="peak resident memory per rank allowed")

@@ -17,6 +17,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 from pretrain.ops.linear_attention import linear_attention  # noqa: E402
 from pretrain.ops.linear_attention import triton as kernels  # noqa: E402
 
@@ -240,7 +241,7 @@ def sweep(results, T=8192, B=8, H=32, D=128):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--check", action="store_true", help="correctness of ours on CUDA against fp64 naive")
     p.add_argument("--ceilings", action="store_true", help="copy bandwidth and bf16 matmul rate")
     p.add_argument("--sweep", action="store_true", help="launch settings of our kernels at T=8k")

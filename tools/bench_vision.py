@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.ops.precision import DTYPES
 from pretrain.tasks import build_model as build_run_model
@@ -106,7 +107,7 @@ def measure_resolution(resolution: int, args, done: list[dict], flops: dict) -> 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--resolutions", default="224,512,1024,2048", help="comma-separated square image sides (pixels)")
     p.add_argument("--backbones", default="linear,inline,soft,aft_conv,softmax",
                    help=f"comma-separated names from {sorted(BACKBONES)}")

@@ -22,6 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks import build_model  # noqa: E402
@@ -85,7 +86,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--configs", nargs="+", required=True, action=FilesAmongOverrides,
                         help="LM configs, one run each, in this order")
     parser.add_argument("--out", type=Path, required=True, help="folder of the run directories (one per config)")

@@ -15,6 +15,9 @@ import sysconfig
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -63,8 +66,9 @@ def step(title: str, argv: list[str], env: dict | None = None) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", default="runs/demo", help="where the corpus, shards, logs and checkpoints go")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--run", "--run-dir", dest="run", default="runs/demo",
+                        help="where the corpus, shards, logs and checkpoints go")
     parser.add_argument("--corpus-bytes", type=int, default=6_000_000, help="stdlib source to take (bytes)")
     parser.add_argument("--held-out-bytes", type=int, default=100_000, help="held-out text eval_ppl scores (bytes)")
     parser.add_argument("--steps", type=int, default=400, help="training steps")
@@ -73,7 +77,7 @@ def main() -> int:
     args = parser.parse_args()
 
     py = sys.executable
-    run = Path(args.run_dir)
+    run = Path(args.run)
     data = run / "data"
     t0 = time.time()
     train, valid, held_out = write_corpus(data / "corpus", args.corpus_bytes, args.held_out_bytes)

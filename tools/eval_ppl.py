@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 
 def is_shards(path: str) -> bool:
@@ -139,7 +140,7 @@ def position_rows(by_position) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--run", "--run-dir", dest="run", required=True,
                         help="run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")

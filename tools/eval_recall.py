@@ -17,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.data.mqar import MQARLoader, MQARSettingError  # noqa: E402
 from pretrain.tasks.recall import recall_scores  # noqa: E402
@@ -58,7 +59,7 @@ def score(model, cfg, *, seq_len: int, num_pairs: int, rows: int, batch_size: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="run directory of a task: recall run")
     parser.add_argument("--tag", default="latest", help="checkpoint tag (default: the run's latest)")
     parser.add_argument("--pairs", type=int, nargs="+", help="numbers of key-value pairs (default: the trained one)")

@@ -23,6 +23,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.data.images import make_image_shards  # noqa: E402
 from pretrain.data.shards import expand_shards, recorded_checksums  # noqa: E402
@@ -49,9 +50,9 @@ def verify(data: str) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     kinds = parser.add_subparsers(dest="kind", required=True)
-    text = kinds.add_parser("text", help="pre-tokenized text documents")
+    text = kinds.add_parser("text", help="pre-tokenized text documents", formatter_class=HelpFormatter)
     text.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_GLOB", help=".txt/.jsonl[.gz] files")
     text.add_argument("--tokenizer", required=True, metavar="PREFIX.model", help="a sentencepiece model")
     text.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
@@ -61,13 +62,14 @@ def main() -> int:
                       help="document boundaries in .txt: blank-line paragraphs (default), WikiText ' = Title = ' "
                            "articles, or the whole file")
     text.add_argument("--workers", type=int, default=1, help="tokenizing processes (output does not depend on it)")
-    images = kinds.add_parser("images", help="images with class labels")
+    images = kinds.add_parser("images", help="images with class labels", formatter_class=HelpFormatter)
     images.add_argument("--input", required=True, metavar="DIR_OR_TAR", help="ImageFolder directory or tar(.gz)")
     images.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
     images.add_argument("--split", default=None, help="the split folder to take (e.g. train, test)")
     images.add_argument("--images-per-shard", type=int, default=5000)
     images.add_argument("--seed", type=int, default=0, help="seed of the order images are written in")
-    check = kinds.add_parser("verify", help="check every shard's sha256 against its manifest")
+    check = kinds.add_parser("verify", help="check every shard's sha256 against its manifest",
+                            formatter_class=HelpFormatter)
     check.add_argument("--data", required=True, metavar="DIR_OR_PATTERN", help="shard directory or pattern (.tar)")
     args = parser.parse_args()
 

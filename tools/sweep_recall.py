@@ -23,6 +23,7 @@ from statistics import mean
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
@@ -129,7 +130,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--configs", nargs="+", required=True, help="task: recall configs, one mixer each")
     parser.add_argument("--widths", type=int, nargs="+", required=True, help="model.dim of each run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of each run")

@@ -14,13 +14,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 from pretrain.data.text_files import TXT_DOC_RULES, expand_inputs  # noqa: E402
 from pretrain.data.tokenizer import train_tokenizer  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_GLOB", help="training text")
     parser.add_argument("--vocab-size", type=int, required=True, help="pieces in the vocabulary (> 260)")
     parser.add_argument("--out", required=True, metavar="PREFIX", help="writes PREFIX.model and PREFIX.vocab")

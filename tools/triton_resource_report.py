@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pretrain.cli_help import HelpFormatter  # noqa: E402
 from pretrain.ops.linear_attention import triton as kernels  # noqa: E402
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -67,7 +68,7 @@ def report(fn, constexprs, warps, stages, arch, dtype):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--configs", nargs="+", default=["64,8,2", "128,8,2", "64,4,2", "32,8,2"],
                    help="channel block (value channels in forward/dv, key channels in dq/dk), warps, stages")
     p.add_argument("--chunks", nargs="+", type=int, default=[64])
