@@ -47,14 +47,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from pretrain.data import ShardError
+    from pretrain.distributed.build_locks import StaleLockError
     from pretrain.train import CheckpointError, NonFiniteLossError, RankLostError, train
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         train(cfg)
-    except ConfigError as err:  # every rank finds the same: said once
+    except (ConfigError, StaleLockError) as err:  # every rank finds the same: said once
         if rank == 0:
-            print(f"config error: {err}", file=sys.stderr)
+            print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         return 1
     except (NonFiniteLossError, RankLostError, ShardError, CheckpointError, OSError) as err:  # one line, no traceback
         print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}", file=sys.stderr)

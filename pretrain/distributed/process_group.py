@@ -1,6 +1,9 @@
 """One process group for every launcher: ``deepspeed``, ``torchrun`` and plain ``python`` (a world of one)."""
+import contextlib
+import io
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -9,6 +12,9 @@ import torch
 from pretrain.parallel import SequenceShard
 
 from .build_locks import check_build_locks
+
+if not torch.cuda.is_available():  # else DeepSpeed warns on every rank, at its import, that it found no GPU
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @dataclass(frozen=True)
@@ -51,14 +57,22 @@ def init_process_group() -> World:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank, world_size = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
+    said = f"joining {world_size} rank{'s' if world_size > 1 else ''}"
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
         check_build_locks()  # DeepSpeed loads (or first builds) its CPU comm op in init_distributed
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        from torch.utils.cpp_extension import get_default_build_root
+
+        said += (f"; DeepSpeed loads its CPU comm op, built on first use (about a minute) under "
+                 f"{os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root()}")
+    if os.environ["RANK"] == "0":
+        print(said, file=sys.stderr, flush=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" on every rank
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     _unlink_shm_allreduce_buffer()
     processes = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(processes, (socket.gethostname(), os.getpid()))

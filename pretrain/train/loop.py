@@ -216,6 +216,8 @@ class Trainer:
     def run(self) -> None:
         """Train until ``train.max_steps`` or a stop signal. The data loader's workers are stopped on the way out,
         error or not: left running, a worker kept a failed run waiting on it at exit."""
+        self.writer.print(f"step {self.counters.step}: opening the training shards "
+                          f"(data.num_workers={self.cfg.data.num_workers})")
         with StopRequest() as stop:
             with held_from_child_processes():  # the first batch starts the loader's worker processes
                 loader = self.task.batches()
