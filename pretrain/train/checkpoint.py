@@ -100,6 +100,8 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict, *, keep_last: in
     ``keep_last`` complete tags."""
     ckpt_dir, tag, rank = Path(ckpt_dir), tag_for(step), dist.get_rank()
     with _writing(ckpt_dir, tag):
+        if rank == 0:  # a tag written again (a relaunch from an earlier one) is partial until this save completes
+            (ckpt_dir / tag / COMPLETE).unlink(missing_ok=True)
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step}, save_latest=False)
         path = _client_state_path(ckpt_dir, tag, rank)
         with atomic_path(path) as tmp:

@@ -174,6 +174,9 @@ def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data,
     assert "Traceback" not in output, output[-4000:]
     error = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and corrupt.name in error[0], output[-4000:]
+    assert output.startswith("joining 1 rank; DeepSpeed loads its CPU comm op"), output[:2000]  # before anything else
+    assert "step 0: opening the training shards (data.num_workers=1)" in output, output[-4000:]
+    assert "built successfully" not in output and "Setting accelerator" not in output, output[:2000]
     assert max(read_metrics(run)) >= 4  # it failed mid-run, after steps and checkpoints
     ckpts = run / "checkpoints"
     assert checkpoint.partial_tags(ckpts) == [] and checkpoint.latest_tag(ckpts) == complete_tags(ckpts)[-1]
@@ -290,6 +293,7 @@ def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm
     output = finish(process)
     assert process.returncode != 0, output[-4000:]
     latest = checkpoint.latest_tag(ckpts)
+    assert output.count("joining 2 ranks") == 1, output[-4000:]  # said once, by rank 0
     said = [line for line in output.splitlines() if "error on rank 0: " in line]
     assert len(said) == 1, output[-4000:]
     assert f"rank 1 (pid {victim}) died at step" in said[0], said
