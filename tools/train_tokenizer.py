@@ -31,12 +31,17 @@ def main() -> int:
     parser.add_argument("--txt-docs", choices=TXT_DOC_RULES, default="paragraphs",
                         help="document boundaries in .txt files (see pretrain/data/text_files.py)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the line sample")
+    parser.add_argument("--verbose", action="store_true", help="show reading progress and sentencepiece's own log")
     args = parser.parse_args()
 
     start = time.time()
     try:
-        tok = train_tokenizer(expand_inputs(args.input), args.vocab_size, args.out, model_type=args.model_type,
-                              sample_bytes=args.sample_bytes, txt_docs=args.txt_docs, seed=args.seed, progress=True)
+        inputs = expand_inputs(args.input)
+        print(f"training a {args.vocab_size}-piece {args.model_type} tokenizer on {len(inputs)} file"
+              f"{'s' if len(inputs) > 1 else ''} with sentencepiece", file=sys.stderr, flush=True)
+        tok = train_tokenizer(inputs, args.vocab_size, args.out, model_type=args.model_type,
+                              sample_bytes=args.sample_bytes, txt_docs=args.txt_docs, seed=args.seed,
+                              progress=args.verbose)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -29,3 +29,14 @@ def test_flags_are_named_alike_and_help_shows_defaults(argv, flags, default):
     if default:
         assert default in text, result.stdout
     assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_train_tokenizer_keeps_sentencepiece_quiet_unless_asked(lm_data, tmp_path):
+    argv = [PYTHON, "tools/train_tokenizer.py", "--input", f"{lm_data['root']}/train.jsonl", "--vocab-size", "300",
+            "--out", str(tmp_path / "tok")]
+    quiet = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert quiet.stderr.splitlines() == ["training a 300-piece bpe tokenizer on 1 file with sentencepiece"]
+    assert quiet.stdout.startswith(f"wrote {tmp_path / 'tok'}.model")
+    verbose = subprocess.run(argv + ["--verbose"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert verbose.returncode == 0 and "trainer_interface" in verbose.stderr, verbose.stderr[-3000:]
