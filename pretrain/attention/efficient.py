@@ -2,14 +2,22 @@
 
 Non-causal as published; causal through the derived prefix form of ``ops.efficient_attention``.
 """
+import torch
+
 from ..ops import efficient_attention
+from ..ops.documents import document_slices
+from ..ops.efficient import combine_efficient_states, efficient_state
 from .base import Mixer
 from .registry import register
+from .sequence_parallel import states_entering_slice
 
 
 @register("efficient")
 class EfficientAttention(Mixer):
-    """Projections around ``ops.efficient_attention``; ``step`` decodes one token, ``prefill`` a prompt."""
+    """Projections around ``ops.efficient_attention``; ``step`` decodes one token, ``prefill`` a prompt; on a
+    sequence slice, each document starts from the state ``(Ŝ, L)`` of its tokens on earlier ranks."""
+
+    supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64,
                  qkv_bias: bool = False, o_bias: bool = False):
@@ -19,8 +27,23 @@ class EfficientAttention(Mixer):
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
         q, k, v = self.qkv(x, packed=cu_seqlens is not None)
-        o = efficient_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
+        if self.sequence is not None:
+            o = self._on_slice(q, k, v, cu_seqlens, position_ids)
+        else:
+            o = efficient_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, chunk_size=self.chunk_size)
         return self.o_proj(o.reshape(batch, seq_len, self.dim))
+
+    def _on_slice(self, q, k, v, cu_seqlens, position_ids):
+        """Each packed document from the state its tokens on earlier ranks left (the empty state where it begins
+        on this rank), one document at a time as the op runs packed documents."""
+        (sums, log_norms), _ = states_entering_slice(
+            k, v, position_ids, self.sequence, state_of=lambda k, v, mask: list(efficient_state(k, v, mask)),
+            combine=lambda a, b: list(combine_efficient_states(a, b)), empty=[0.0, float("-inf")],
+            num_docs=cu_seqlens.numel() - 1)
+        pieces = [efficient_attention(q[:, part], k[:, part], v[:, part], causal=True, chunk_size=self.chunk_size,
+                                      initial_state=(sums[i:i + 1], log_norms[i:i + 1]))
+                  for i, part in enumerate(document_slices(cu_seqlens))]
+        return torch.cat(pieces, dim=1)
 
     def forward_with_state(self, x, state):
         """The state is ``(Ŝ, L)``: the softmax-weighted sum of values so far and its log-normalizer."""

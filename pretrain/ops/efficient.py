@@ -147,3 +147,28 @@ def _exact_within_chunk(p, k, v, lz):
     exponent = (k[:, None] - lz[:, :, None]).masked_fill(~below, float("-inf"))  # [M, t, j, D]
     mix = torch.einsum("mtc,mtjc->mtj", p, exponent.exp())
     return mix @ v
+
+
+def efficient_state(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal state ``(Ŝ [B, H, D, Dv], L [B, H, D])`` that the tokens of ``k [B, T, H, D]``, ``v [B, T, H, Dv]``
+    where ``mask [B, T]`` leave, from nothing: ``L = log Σ e^k`` per channel, ``Ŝ = Σ e^{k − L} vᵀ``. A row with no
+    token leaves the empty state ``(0, −∞)``."""
+    k, v = upcast(k, v)
+    logits = k.masked_fill(~mask[:, :, None, None], float("-inf"))
+    log_norm = torch.logsumexp(logits, dim=1)
+    weights = torch.exp(logits - _finite(log_norm)[:, None])
+    return torch.einsum("bthc,bthv->bhcv", weights, v), log_norm
+
+
+def combine_efficient_states(earlier, later) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state after ``earlier``'s tokens and then ``later``'s: normalizers add in log space, and each sum is
+    rescaled to the joint one."""
+    (s_a, l_a), (s_b, l_b) = earlier, later
+    log_norm = torch.logaddexp(l_a, l_b)
+    joint = _finite(log_norm)
+    return torch.exp(l_a - joint)[..., None] * s_a + torch.exp(l_b - joint)[..., None] * s_b, log_norm
+
+
+def _finite(log_norm: torch.Tensor) -> torch.Tensor:
+    """``log_norm`` with the empty state's −∞ as 0, so ``exp(x − log_norm)`` of empty sums is 0, never NaN."""
+    return torch.where(torch.isfinite(log_norm), log_norm, 0.0)

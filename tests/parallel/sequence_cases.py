@@ -30,6 +30,7 @@ CASES = {
     "cosine": Case("cosine", {"chunk_size": 16}),
     "inline": Case("inline", {"chunk_size": 16, "conv_size": 4}),
     "softmax": Case("softmax", {}),
+    "efficient": Case("efficient", {"chunk_size": 16}),
 }
 
 
