@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from pretrain.attention import REGISTRY
-from pretrain.config import ConfigError, save_config
+from pretrain.config import ConfigError, load_config, save_config
 from pretrain.tasks.config_checks import load_run_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -158,6 +158,16 @@ def test_unregistered_mixers_name_their_key():
     assert "registered: " in refused("model.mixer", "model.mixer=nonexistent")
     refused("model.layer_pattern[1]", "model.n_layers=2", "model.layer_pattern=[softmax,nonexistent]")
     refused("model.mixer_options.nonexistent", "model.mixer_options.nonexistent.width=3")
+
+
+def test_the_schema_alone_checks_keys_and_the_run_checks_add_model_and_data(tokenizer):
+    """pretrain.config knows no mixer and reads no tokenizer; load_run_config adds both, on the same config."""
+    overrides = [f"data.tokenizer={tokenizer}", "data.train_shards=x.tar", "model.mixer=nonexistent"]
+    schema_only = load_config(None, overrides)
+    assert schema_only.model.mixer == "nonexistent" and schema_only.model.vocab_size == 0
+    with pytest.raises(ConfigError, match="model.mixer"):
+        load_run_config(None, overrides)
+    assert load_run_config(None, overrides[:2]).model.vocab_size == 40
 
 
 def test_non_causal_mixer_is_refused_by_a_causal_lm(monkeypatch):
