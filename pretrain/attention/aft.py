@@ -14,8 +14,11 @@ import torch
 from torch import nn
 
 from ..ops import aft_conv2d, aft_full, aft_local, aft_simple
+from ..ops.aft_causal import aft_state, combine_aft_states, state_as_token
+from ..parallel import exchange_with_earlier_ranks, slice_layout
 from .base import Mixer
 from .registry import register
+from .sequence_parallel import from_previous_rank
 
 
 class _AFTBase(Mixer):
@@ -24,8 +27,50 @@ class _AFTBase(Mixer):
     def __init__(self, dim: int, num_heads: int, causal: bool, qkv_bias: bool, o_bias: bool):
         super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, heads=False)
 
+    halo = 0  # tokens before a slice its band reads (aft_local: window − 1)
+
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
+        if self.sequence is not None:
+            q, k, v = self.qkv(x, packed=True, heads=False)
+            return self.o_proj(self._on_slice(q, k, v, position_ids).reshape(x.shape))
         return self._mixed(x, cu_seqlens, hw)[0]
+
+    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
+        super().check_sequence_parallel(size, slice_len)
+        if slice_len < self.halo:
+            raise ValueError(f"a slice of {slice_len} tokens is shorter than the band's reach ({self.halo} tokens): "
+                             "use fewer sequence ranks or a smaller window")
+
+    def _on_slice(self, q, k, v, position_ids):
+        """The op on this rank's rows with the earlier ranks' tokens of each row's first document put in front of
+        it: their prefix sums as one token (``state_as_token``) placed beyond the band, then the previous rank's last
+        ``halo`` tokens themselves, which the band weighs. Tokens put in front of a row that do not belong to its
+        first document form a document of their own, so every rank runs the same shapes and uses the exchange."""
+        shard, (batch, seq_len), reach = self.sequence, position_ids.shape, self.halo
+        q, k, v = (t.reshape(batch, seq_len, self.dim) for t in (q, k, v))
+        layout = slice_layout(position_ids)
+        before_halo = layout.tail & (torch.arange(seq_len, device=k.device) < seq_len - reach)
+        entering, halos = exchange_with_earlier_ranks(
+            list(aft_state(k, v, layout.tail)), layout, shard, lambda a, b: list(combine_aft_states(a, b)),
+            handed_to_next=list(aft_state(k, v, before_halo)), shared=[k[:, seq_len - reach:], v[:, seq_len - reach:]])
+        state_k, state_v = state_as_token(entering)
+        halo_k, halo_v = (from_previous_rank(gathered, shard) for gathered in halos)
+        keys = torch.cat([state_k[:, None].to(k.dtype), halo_k, k], dim=1)
+        values = torch.cat([state_v[:, None].to(v.dtype), halo_v, v], dim=1)
+        queries = torch.cat([q.new_zeros(batch, reach + 1, self.dim), q], dim=1)
+
+        # which of the reach + 1 tokens in front join the first document: the state when the document has tokens
+        # before the halo, a halo token when it lies within the document (its distance ≤ the first position)
+        first = position_ids[:, 0]
+        distance = torch.arange(reach, 0, -1, device=k.device)
+        joining = (first > reach).long() + (distance[None] <= first[:, None]).sum(1)
+        starts = torch.cat([torch.zeros(batch, reach + 1, dtype=torch.bool, device=k.device), position_ids == 0], 1)
+        starts[:, 0] = True
+        starts[torch.arange(batch, device=k.device), reach + 1 - joining] = True
+        flat = starts.reshape(-1)
+        cu_seqlens = torch.cat([flat.nonzero().squeeze(1), flat.new_tensor([flat.numel()], dtype=torch.long)])
+        mixed = self.mix(*(t.reshape(1, -1, self.dim) for t in (queries, keys, values)), cu_seqlens, None)
+        return mixed.reshape(batch, reach + 1 + seq_len, self.dim)[:, reach + 1:]
 
     def _mixed(self, x, cu_seqlens, hw):
         """The output, and the keys and values it came from (a decoding state is made of them)."""
@@ -85,12 +130,15 @@ class AFTFull(_AFTBase):
 class AFTLocal(_AFTBase):
     """A relative bias inside ``window`` tokens, 0 outside (distant tokens still count through e^K)."""
 
+    supports_sequence_parallel = True
+
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, window: int = 64, chunk_size: int = 64,
                  qkv_bias: bool = False, o_bias: bool = False):
         super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
         if window < 1:
             raise ValueError(f"aft_local: window must be ≥ 1; got {window}")
         self.window, self.chunk_size = window, chunk_size
+        self.halo = window - 1
         self.rel_bias = nn.Parameter(torch.zeros(window if causal else 2 * window - 1))
 
     def mix(self, q, k, v, cu_seqlens, hw):
@@ -114,6 +162,8 @@ class AFTLocal(_AFTBase):
 @register("aft_simple")
 class AFTSimple(_AFTBase):
     """No position bias: a (prefix) softmax over positions per channel."""
+
+    supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64,
                  qkv_bias: bool = False, o_bias: bool = False):

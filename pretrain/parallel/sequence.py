@@ -102,17 +102,20 @@ Combine = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], Sequence[to
 
 
 def exchange_with_earlier_ranks(handed_on: Sequence[torch.Tensor], layout: SliceLayout, shard: SequenceShard,
-                                combine: Combine, *, shared: Sequence[torch.Tensor] = ()
+                                combine: Combine, *, shared: Sequence[torch.Tensor] = (),
+                                handed_to_next: Sequence[torch.Tensor] = ()
                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One all-gather of what each rank hands on: the fields of its slice's final state (each ``[B, ...]``, computed
     from zero) and ``shared`` tensors (e.g. its last few tokens, a halo).
 
     Returns the state entering this slice — the fold of ranks 0 … rank−1 with ``combine(earlier, later)``, starting
     afresh at every rank where a document began (rank 0 gets its own state, unused: its rows start documents) — and
-    every rank's copy of each ``shared`` tensor, ``[size, ...]``. Callers must use the state only where
-    ``layout.continues``, and use it (zero-weighted elsewhere) on every rank: backward is collective.
+    every rank's copy of each ``shared`` tensor, ``[size, ...]``. ``handed_to_next``, when given, is what a rank's
+    right neighbour takes instead of its full state (a state without the halo that travels as tokens); ranks further
+    right still take the full one. Callers must use the state only where ``layout.continues``, and use it
+    (zero-weighted elsewhere) on every rank: backward is collective.
     """
-    parts = [*handed_on, *shared, layout.resets]
+    parts = [*handed_on, *handed_to_next, *shared, layout.resets]
     dtype = torch.float32
     for part in parts:
         if part.is_floating_point():
@@ -122,11 +125,13 @@ def exchange_with_earlier_ranks(handed_on: Sequence[torch.Tensor], layout: Slice
     sizes = [part.numel() for part in parts]
     fields = [piece.view(shard.size, *part.shape).to(part.dtype if part.is_floating_point() else dtype)
               for piece, part in zip(gathered.split(sizes, dim=1), parts)]
-    states, halos, resets = fields[:len(handed_on)], fields[len(handed_on):-1], fields[-1] > 0.5
+    count = len(handed_on)
+    states, to_next = fields[:count], fields[count:count + len(handed_to_next)] or fields[:count]
+    halos, resets = fields[count + len(handed_to_next):-1], fields[-1] > 0.5
 
-    entering = [field[0] for field in states]
+    entering = [field[0] for field in (to_next if shard.rank == 1 else states)]
     for j in range(1, shard.rank):
-        later = [field[j] for field in states]
+        later = [field[j] for field in (to_next if j == shard.rank - 1 else states)]
         merged = combine(entering, later)
         entering = [torch.where(_rows(resets[j], fresh), fresh, old) for fresh, old in zip(later, merged)]
     return entering, halos

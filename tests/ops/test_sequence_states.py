@@ -71,3 +71,39 @@ def test_efficient_empty_state_is_the_identity_and_its_gradients_are_finite():
     sums, log_norm = combine_efficient_states(empty, some)
     (sums.sum() + log_norm.sum()).backward()
     assert torch.isfinite(k.grad).all()
+
+
+def test_aft_state_combines_and_stands_in_for_its_tokens():
+    """The state of a run of tokens, as one token in front of the rest, gives the rest the outputs the run gave."""
+    from pretrain.ops import aft_simple
+    from pretrain.ops.aft_causal import aft_state, combine_aft_states, state_as_token
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(B, T, 5, dtype=torch.float64) for _ in range(3))
+    k = 5 * k
+    everything = torch.ones(B, T, dtype=torch.bool)
+    for split in (1, 9, 22):
+        joined = combine_aft_states(aft_state(k[:, :split], v[:, :split], everything[:, :split]),
+                                    aft_state(k[:, split:], v[:, split:], everything[:, split:]))
+        for got, want in zip(joined, aft_state(k, v, everything)):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        state_k, state_v = state_as_token(aft_state(k[:, :split], v[:, :split], everything[:, :split]))
+        rest = aft_simple(torch.cat([q[:, :1], q[:, split:]], 1), torch.cat([state_k[:, None], k[:, split:]], 1),
+                          torch.cat([state_v[:, None], v[:, split:]], 1), chunk_size=8)
+        torch.testing.assert_close(rest[:, 1:], aft_simple(q, k, v, chunk_size=8)[:, split:], rtol=1e-10, atol=1e-10)
+
+
+def test_aft_empty_state_is_the_identity_and_its_gradients_are_finite():
+    from pretrain.ops.aft_causal import aft_state, combine_aft_states, state_as_token
+
+    torch.manual_seed(2)
+    k, v = torch.randn(B, T, 5, dtype=torch.float64, requires_grad=True), torch.randn(B, T, 5, dtype=torch.float64)
+    empty = aft_state(k, v, torch.zeros(B, T, dtype=torch.bool))
+    assert torch.all(empty[1] == 0) and torch.all(empty[2] == float("-inf"))
+    some = aft_state(k, v, tail_mask([4, 15]))
+    for joined in (combine_aft_states(empty, some), combine_aft_states(some, empty)):
+        for got, want in zip(joined, some):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    token_k, token_v = state_as_token(combine_aft_states(empty, empty))
+    (token_k.sum() + token_v.sum() + sum(x.sum() for x in combine_aft_states(empty, some)[:2])).backward()
+    assert torch.isfinite(token_k).all() and torch.isfinite(k.grad).all()

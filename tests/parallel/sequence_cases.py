@@ -31,6 +31,8 @@ CASES = {
     "inline": Case("inline", {"chunk_size": 16, "conv_size": 4}),
     "softmax": Case("softmax", {}),
     "efficient": Case("efficient", {"chunk_size": 16}),
+    "aft_simple": Case("aft_simple", {"chunk_size": 16}),
+    "aft_local": Case("aft_local", {"chunk_size": 16, "window": 5}),
 }
 
 
