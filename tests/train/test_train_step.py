@@ -82,3 +82,49 @@ def test_one_collective_per_step_and_a_nonfinite_first_loss_skips_the_update():
         assert r["skipped"] and r["skipped_norm"] is None and r["skipped_stop"]  # the stop flag came along
         assert r["unchanged"]  # no update from the skipped step
         assert r["left"] == 1  # the skipped step drew all its accum micro-batches, no more
+
+
+def _one_rank_poisoned(rank: int, port: int, out) -> None:
+    """Rank 1 alone sees a non-finite loss and alone got a stop signal; rank 0 must skip and stop with it."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from pretrain.config import load_config
+    from pretrain.distributed import build_engine, close_process_group, init_process_group
+    from pretrain.train.loop import train_step
+    from pretrain.train.preemption import StopRequest
+
+    world = init_process_group()
+    try:
+        cfg = load_config(None, ["data.tokenizer=x", "data.train_shards=x", "train.micro_batch_size=2",
+                                 "schedule.warmup_steps=0", "optim.weight_decay=0"])
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        engine = build_engine(cfg, model, 2, lambda step: 1e-2)
+        before = model.weight.detach().clone()
+        stop = StopRequest()
+        stop.requested = rank == 1
+        batch = torch.full((2, 4), float("nan")) if rank == 1 else torch.randn(2, 4)
+        step = train_step(engine, SquaredOutput(), iter([batch]), world, 1, stop)
+        out.put((rank, step.loss is None, step.stop, bool(torch.equal(before, model.weight.detach()))))
+    finally:
+        close_process_group()
+
+
+def test_any_ranks_nonfinite_loss_or_stop_signal_holds_for_every_rank():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    processes = [context.Process(target=_one_rank_poisoned, args=(rank, port, out)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    results = sorted(out.get(timeout=300) for _ in processes)
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert results == [(0, True, True, True), (1, True, True, True)]  # both skipped, both stop, neither updated
