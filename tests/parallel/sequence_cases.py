@@ -11,7 +11,7 @@ import torch
 
 from pretrain.attention import build_mixer
 from pretrain.ops import cu_seqlens_from_position_ids
-from pretrain.parallel import SequenceShard
+from pretrain.parallel import SequenceShard, shard_rows
 
 DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48]]
 SEQ_LEN, DIM, HEADS = 48, 16, 4
@@ -34,6 +34,37 @@ CASES = {
     "aft_simple": Case("aft_simple", {"chunk_size": 16}),
     "aft_local": Case("aft_local", {"chunk_size": 16, "window": 5}),
 }
+
+
+# A whole LM whose layers run every sequence-parallel mixer in turn, scored by its own fused loss: the embedding,
+# norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange.
+MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine"]
+
+
+def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
+    """The LM's summed NLL of the rows (of this rank's slice) and its parameters' gradients."""
+    from pretrain.config import load_config
+    from pretrain.distributed import apply_sequence_parallel
+    from pretrain.tasks import build_model
+
+    cfg = load_config(None, ["data.tokenizer=none", "data.train_shards=none", "model.vocab_size=97",
+                             f"model.dim={DIM}", f"model.n_heads={HEADS}", f"model.n_layers={len(MODEL_LAYERS)}",
+                             f"model.layer_pattern=[{','.join(MODEL_LAYERS)}]", f"train.seq_len={SEQ_LEN}",
+                             "model.mixer_options.linear.chunk_size=16", "model.mixer_options.inline.chunk_size=16",
+                             "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
+                             "model.mixer_options.aft_local.chunk_size=16", "model.mixer_options.aft_simple.chunk_size=16"])
+    torch.manual_seed(0)
+    model = build_model(cfg).double()
+    for parameter in model.parameters():
+        parameter.data.add_(0.05 * torch.randn_like(parameter))
+    ids = torch.randint(0, 97, (len(DOCUMENTS), SEQ_LEN + 1))
+    batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "position_ids": position_ids()}
+    if shard is not None:
+        apply_sequence_parallel(model, shard, SEQ_LEN)
+        batch = shard_rows(batch, shard)
+    loss = model(batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"])
+    loss.backward()
+    return {"loss": loss.detach(), **{f"grad/{name}": p.grad for name, p in model.named_parameters()}}
 
 
 def position_ids() -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Run under torchrun by the sequence-parallel tests: every case's mixer (or model) on this rank's slice, fp64.
 
-Writes ``OUT/rank{r}.pt``: per case, the slice's output, the gradient of its input slice and every parameter's
+Writes ``OUT/rank{r}.pt``: per mixer case and for a model of every mixer (``model``), the slice's output, the gradient of its input slice and every parameter's
 gradient (this rank's share: the test sums them over ranks). The cases and their single-process reference are in
 ``sequence_cases.py``.
 """
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sequence_cases import CASES, run_case  # noqa: E402
+from sequence_cases import CASES, run_case, run_model  # noqa: E402
 
 from pretrain.parallel import SequenceShard  # noqa: E402
 
@@ -24,6 +24,7 @@ def main(out_dir: str, names: list[str]) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     shard = SequenceShard(group=dist.group.WORLD, rank=rank, size=size)
     results = {name: run_case(CASES[name], shard) for name in names}
+    results["model"] = run_model(shard)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sequence_cases import CASES, run_case
+from sequence_cases import CASES, run_case, run_model
 
 pytestmark = pytest.mark.dist
 HERE = Path(__file__).resolve().parent
@@ -48,3 +48,15 @@ def test_slices_equal_whole_rows(ranks_output, name, size):
         if key.startswith("grad/"):
             summed = sum(r[key] for r in ranks)
             torch.testing.assert_close(summed, reference[key], rtol=1e-10, atol=1e-10, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_model_of_every_mixer_on_slices_equals_whole_rows(ranks_output, size):
+    """The slices' losses add up to the rows' loss; the parameter gradients, summed over ranks, are the rows'."""
+    reference = run_model(None)
+    ranks = [results["model"] for results in ranks_output(size)]
+    torch.testing.assert_close(sum(r["loss"] for r in ranks), reference["loss"], rtol=1e-10, atol=1e-10)
+    for key in reference:
+        if key.startswith("grad/"):
+            summed = sum(r[key] for r in ranks)
+            torch.testing.assert_close(summed, reference[key], rtol=1e-10, atol=1e-10, msg=key)
