@@ -1,8 +1,8 @@
 """Run under torchrun by the sequence-parallel tests: every case's mixer (or model) on this rank's slice, fp64.
 
-Writes ``OUT/rank{r}.pt``: per mixer case and for a model of every mixer (``model``), the slice's output, the gradient of its input slice and every parameter's
-gradient (this rank's share: the test sums them over ranks). The cases and their single-process reference are in
-``sequence_cases.py``.
+Writes ``OUT/rank{r}.pt``: per mixer case, the slice's output, the gradient of its input slice and every
+parameter's gradient (this rank's share: the test sums them over ranks); under ``model``, the same for an LM of every
+mixer. The cases and their single-process reference are in ``sequence_cases.py``.
 """
 import os
 import sys
