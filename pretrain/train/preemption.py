@@ -10,8 +10,9 @@ class StopRequest:
     """Set by SIGTERM or SIGINT while the loop runs (``with StopRequest() as stop``); the loop polls ``requested``.
 
     A second SIGINT (Ctrl-C twice) exits at once; repeated SIGTERMs are ignored, since launchers forward the
-    scheduler's SIGTERM to ranks that already got it. Leaving the ``with`` block restores the previous handlers, so a
-    run ending on an error can still be terminated while it shuts down.
+    scheduler's SIGTERM to ranks that already got it (after a stop request, until the process exits). Leaving the
+    ``with`` block without one restores the previous handlers, so a run ending on an error can still be terminated
+    while it shuts down.
     """
 
     def __init__(self):
@@ -25,8 +26,9 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        if not self.requested:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
