@@ -53,7 +53,8 @@ class StepResult(NamedTuple):
 
 
 def train_step(engine, task, batches, world: World, accum: int, stop: StopRequest) -> StepResult:
-    """One optimizer step over ``accum`` micro-batches, with one collective and one host read for the whole step.
+    """One optimizer step over ``accum`` micro-batches: one collective of its own, nothing read on the host per
+    micro-batch.
 
     After the first micro-batch's forward and before any backward, a single all-reduce of a two-flag tensor asks
     whether any rank's loss is non-finite and whether any rank got a stop signal. A non-finite loss skips the step
@@ -180,7 +181,7 @@ class Trainer:
                   "no checkpoint was saved yet: a relaunch starts afresh")
         return f"{who} at step {self.counters.step}; rank {self.world.rank} stops too: {resume}"
 
-    def count_bad_step(self, loss: float | None, grad_norm: float) -> None:
+    def count_bad_step(self, loss: torch.Tensor | None, grad_norm: float | None) -> None:
         """Count a non-finite step; stop the run after ``train.max_nonfinite_steps`` of them in a row."""
         c, limit = self.counters, self.cfg.train.max_nonfinite_steps
         c.nonfinite_skipped += 1
