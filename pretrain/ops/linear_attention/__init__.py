@@ -11,13 +11,18 @@ Under ``torch.compile`` the same entry becomes one opaque ``torch.ops.pretrain.l
 Python loops or ``cu_seqlens.tolist()``, and eager code keeps the direct call (the op's backward recomputes the
 forward, a price worth paying only where the compiler needs it).
 """
-import importlib
-
 import torch
 
+from .chunk import linear_attention_chunk
 from .library import linear_attention_op
 from .naive import linear_attention_naive
+from .recurrent import linear_attention_recurrent
 from .state import FIELDS, LinearAttentionState, check_state
+
+try:  # Triton is optional (the gpu extra); without it impl="auto" takes the chunked form
+    from .triton import linear_attention_triton
+except ImportError:
+    linear_attention_triton = None
 
 NORMALIZATIONS = tuple(FIELDS)
 IMPLS = ("auto", "naive", "chunk", "recurrent", "triton")
@@ -49,18 +54,13 @@ def linear_attention(
         num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
     if impl == "auto":
-        impl = "triton" if q.is_cuda and q.dtype != torch.float64 and _triton_available() else "chunk"
-    run = getattr(importlib.import_module(f".{impl}", __name__), f"linear_attention_{impl}")
+        impl = "triton" if q.is_cuda and q.dtype != torch.float64 and linear_attention_triton is not None else "chunk"
+    if impl == "triton" and linear_attention_triton is None:
+        raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
+    run = {"naive": linear_attention_naive, "chunk": linear_attention_chunk, "recurrent": linear_attention_recurrent,
+           "triton": linear_attention_triton}[impl]
     return run(q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
                initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
-
-
-def _triton_available() -> bool:
-    try:
-        module = importlib.import_module(".triton", __name__)
-    except ImportError:
-        return False
-    return hasattr(module, "linear_attention_triton")
 
 
 def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):

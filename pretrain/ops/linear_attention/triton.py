@@ -394,18 +394,21 @@ def _forward(q, k, v, g: _Launch, normalize, eps, causal, initial, want_final):
     dummy = aux
     s_in, z_in, u_in, n_in = initial if initial is not None else (dummy,) * 4
 
-    def launch(intra, update, store_o, has_initial, store_final, states):
+    def launch(*, intra, update, store_o, has_initial, store_final, states):
         _forward_kernel[(g.NV, g.N * g.H)](
             q, k, v, o, aux, *states, *final, g.cu_seqlens, eps=eps, NORMALIZE=NORMALIZE_CODES[normalize],
             INTRA=intra, UPDATE=update, STORE_O=store_o, HAS_INITIAL=has_initial, STORE_FINAL=store_final,
             BK=g.BK_full, BV=g.BV_split, **g.common())
 
+    given = (s_in, z_in, u_in, n_in)
     if causal:
-        launch(True, True, True, initial is not None, want_final, (s_in, z_in, u_in, n_in))
+        launch(intra=True, update=True, store_o=True, has_initial=initial is not None, store_final=want_final,
+               states=given)
     else:  # sum the whole sequence into the state, then apply it to every token
-        launch(False, True, False, initial is not None, True, (s_in, z_in, u_in, n_in))
+        launch(intra=False, update=True, store_o=False, has_initial=initial is not None, store_final=True,
+               states=given)
         totals = tuple(t.clone() for t in final)
-        launch(False, False, True, True, False, totals)
+        launch(intra=False, update=False, store_o=True, has_initial=True, store_final=False, states=totals)
     return o, aux, final
 
 
@@ -455,7 +458,7 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
     if has_du:
         du_T = torch.zeros_like(du_0) if du_T is None else du_T.float().contiguous()
 
-    def sweep(for_dk, intra, update, store, has_final, d_in, store_ds, du_in=None, store_du=False):
+    def sweep(*, for_dk, intra, update, store, has_final, d_in, store_ds, du_in=None, store_du=False):
         grid = (g.NK if for_dk else g.NV, g.N * g.H)
         _backward_dk_dv_kernel[grid](
             q, k, v, do, scale, center, weight, dk, dv, *d_in, dummy if du_in is None else du_in, dS_0, dz_0, du_0,
@@ -464,14 +467,19 @@ def _backward(do, q, k, v, o, aux, initial, final, d_final, g: _Launch, normaliz
             **flags)
 
     own_du = du_T if has_du else None  # the dv sweep runs v's own share
+    final_grads = (dS_T, dz_T)
     if causal:
-        sweep(True, True, True, True, has_final_grad, (dS_T, dz_T), want_d_initial)
-        sweep(False, True, True, True, has_final_grad, (dS_T, dz_T), False, own_du, has_du and want_d_initial)
+        sweep(for_dk=True, intra=True, update=True, store=True, has_final=has_final_grad, d_in=final_grads,
+              store_ds=want_d_initial)
+        sweep(for_dk=False, intra=True, update=True, store=True, has_final=has_final_grad, d_in=final_grads,
+              store_ds=False, du_in=own_du, store_du=has_du and want_d_initial)
     else:  # the first sweep also sums du over the whole sequence (it sees every value channel)
-        sweep(True, False, True, False, has_final_grad, (dS_T, dz_T), True, own_du, has_du)
+        sweep(for_dk=True, intra=False, update=True, store=False, has_final=has_final_grad, d_in=final_grads,
+              store_ds=True, du_in=own_du, store_du=has_du)
         totals = (dS_0.clone(), dz_0.clone())
-        sweep(True, False, False, True, True, totals, False)
-        sweep(False, False, False, True, True, totals, False, du_0.clone() if has_du else None)
+        sweep(for_dk=True, intra=False, update=False, store=True, has_final=True, d_in=totals, store_ds=False)
+        sweep(for_dk=False, intra=False, update=False, store=True, has_final=True, d_in=totals, store_ds=False,
+              du_in=du_0.clone() if has_du else None)
 
     if not want_d_initial:
         return (dq, dk, dv), (None, None, None)
