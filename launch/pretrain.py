@@ -10,6 +10,7 @@
 Relaunching the same command on a run directory with checkpoints resumes it.
 """
 import argparse
+import errno
 import json
 import os
 import sys
@@ -17,6 +18,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from pretrain.cli_help import HelpFormatter  # noqa: E402
+
+
+def _where_full(err: Exception, run_dir: str) -> str:
+    """Where a write ran out of room, when the error does not say (a failed flush names no file)."""
+    if not isinstance(err, OSError) or err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or err.filename:
+        return ""
+    from pretrain.train.checkpoint import space_left
+
+    return (f", writing under {run_dir} ({space_left(Path(run_dir))}): make room, then relaunch the same command to "
+            "resume")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         return 1
     except (NonFiniteLossError, RankLostError, ShardError, CheckpointError, OSError) as err:  # one line, no traceback
-        print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}", file=sys.stderr)
+        print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}{_where_full(err, cfg.run.dir)}",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -68,7 +68,7 @@ def remove_partial_tags(ckpt_dir: Path) -> list[str]:
     return removed
 
 
-def _space_left(path: Path) -> str:
+def space_left(path: Path) -> str:
     """Free space on ``path``'s filesystem, and the file size limit when one is set (``ulimit -f``)."""
     import resource
 
@@ -90,7 +90,7 @@ def _writing(ckpt_dir: Path, tag: str):
         cause = (str(err).strip().splitlines() or [type(err).__name__])[0]
         latest = latest_tag(ckpt_dir)
         raise CheckpointError(
-            f"could not write checkpoint {ckpt_dir / tag}: {cause} ({_space_left(ckpt_dir)}); the partial tag is "
+            f"could not write checkpoint {ckpt_dir / tag}: {cause} ({space_left(ckpt_dir)}); the partial tag is "
             f"removed and `latest` still names {latest or 'no checkpoint'}: make room, then relaunch to resume"
         ) from err
 

@@ -157,6 +157,23 @@ def test_a_full_disk_at_a_save_ends_the_run_naming_the_tag_and_keeps_latest(lm_d
     assert checkpoint.partial_tags(ckpts) == [] and complete_tags(ckpts)[-1] == good
 
 
+def test_a_full_disk_for_the_metrics_ends_the_run_naming_the_run_directory(lm_data, tmp_path):
+    """A write that names no file (a failed append or flush of the metrics) still ends the run in one line naming
+    where it was writing and the room left there."""
+    run = tmp_path / "run"
+    process = start(tiny_overrides(lm_data, run, data__num_workers=1, train__max_steps=10_000, checkpoint__every=10_000,
+                                   log__val_every=10_000))
+    metrics = run / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.stat().st_size > 2000, process, "metrics")
+    limit = metrics.stat().st_size
+    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (limit, limit))
+    output = finish(process)
+    assert process.returncode == 1, output[-4000:]
+    error = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1, output[-4000:]
+    assert f"File too large, writing under {run} (" in error[0] and "MiB free there" in error[0], error
+
+
 def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data, tmp_path):
     """The third shard this rank reads is truncated: the worker meets it after the first steps and checkpoints; the
     run must end at once, non-zero, with one line naming the shard, and keep its checkpoints."""
