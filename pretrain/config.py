@@ -3,9 +3,9 @@
 ``load_config(path, overrides)`` merges a YAML file and dotted ``key=value`` overrides onto the schema below,
 (a file may start from another with ``base: other.yaml``, a path relative to itself, and change a few keys),
 refuses unknown keys, wrong types, missing values and impossible combinations with a ``ConfigError`` that names
-the key. It imports nothing of ours (and not DeepSpeed): the checks that need the model or the data (mixers that
-build, ``model.vocab_size`` from the tokenizer, ``vision.num_classes`` from the shards' manifest) live with the
-tasks, in ``pretrain.tasks.config_checks``, whose ``load_run_config`` runs both.
+the key. It imports nothing of ours but the leaf ``pretrain.atomic`` (and not DeepSpeed): the checks that need the
+model or the data (mixers that build, ``model.vocab_size`` from the tokenizer, ``vision.num_classes`` from the
+shards' manifest) live with the tasks, in ``pretrain.tasks.config_checks``, whose ``load_run_config`` runs both.
 """
 import os
 from collections.abc import Sequence
