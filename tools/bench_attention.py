@@ -21,9 +21,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
-
 from pretrain.attention import REGISTRY, build_mixer
+from pretrain.cli_help import HelpFormatter
 from pretrain.ops import linear_attention, softmax_attention
 from pretrain.ops.precision import DTYPES
 

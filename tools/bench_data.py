@@ -19,13 +19,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
+import numpy as np
+from tqdm import tqdm
 
-import numpy as np  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+from pretrain.cli_help import HelpFormatter
+from pretrain.data.shards import ShardWriter, write_manifest
 
-import benchlib  # noqa: E402  (tools/, beside this script)
-from pretrain.data.shards import ShardWriter, write_manifest  # noqa: E402
+import benchlib
 
 
 def write_synthetic_shards(directory: str, tokens: int, mean_doc_tokens: int, docs_per_shard: int) -> None:

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
+from pretrain.cli_help import HelpFormatter
 
 import benchlib  # tools/, beside this script
 

@@ -22,11 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
+from pretrain.cli_help import HelpFormatter
 
 
 def model_overrides(args) -> list[str]:
-    return ["data.tokenizer=unused", "data.train_shards=unused", f"model.vocab_size={args.vocab}", f"model.dim={args.dim}",
+    return ["data.tokenizer=unused", "data.train_shards=unused", f"model.vocab_size={args.vocab}",
+            f"model.dim={args.dim}",
             f"model.n_layers={args.layers}", f"model.n_heads={args.heads}", f"model.mixer={args.mixer}",
             f"train.seq_len={args.seq_len}", f"parallel.sequence_parallel={args.size}"]
 
@@ -36,11 +37,12 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchlib import resident_bytes
-    from pretrain.tasks.config_checks import load_run_config
     from pretrain.distributed import apply_sequence_parallel, close_process_group, init_process_group, split_sequences
     from pretrain.parallel import shard_rows
     from pretrain.tasks import build_model
+    from pretrain.tasks.config_checks import load_run_config
+
+    from benchlib import resident_bytes
 
     moved = {"bytes": 0}
     for name in ("all_gather_single", "all_reduce"):  # count what the collectives carry (the real calls run)

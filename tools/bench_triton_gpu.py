@@ -17,9 +17,9 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
-from pretrain.ops.linear_attention import linear_attention  # noqa: E402
-from pretrain.ops.linear_attention import triton as kernels  # noqa: E402
+from pretrain.cli_help import HelpFormatter
+from pretrain.ops.linear_attention import linear_attention
+from pretrain.ops.linear_attention import triton as kernels
 
 try:
     from fla.ops.linear_attn import chunk_linear_attn
@@ -110,7 +110,7 @@ def check(results):
 def ceilings(results):
     x = torch.randn(2 * 1024**3 // 4, device=DEV)  # 2 GiB, far past the L2
     y = torch.empty_like(x)
-    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")  # noqa: F821
     bw = 2 * x.numel() * 4 / ms / 1e9  # TB/s, read + write
     del x, y
     a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
@@ -135,7 +135,7 @@ def make_ops(B, T, H, D, chunk=64):
             q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
             v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
             do = torch.randn_like(v)
-            f = lambda: linear_attention(q, k, v, normalize=normalize, impl=impl, chunk_size=chunk)  # noqa: E731
+            f = lambda: linear_attention(q, k, v, normalize=normalize, impl=impl, chunk_size=chunk)
             return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
         return setup
 
@@ -144,7 +144,7 @@ def make_ops(B, T, H, D, chunk=64):
             q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
             v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
             do = torch.randn_like(v)
-            f = lambda: chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize)[0]  # noqa: E731
+            f = lambda: chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize)[0]
             return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
         return setup
 
@@ -252,7 +252,8 @@ def main():
     a = p.parse_args()
     global DEV
     DEV = a.device
-    results = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__, triton=triton.__version__,
+    results = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
+                   triton=triton.__version__,
                    python=platform.python_version(), cuda=torch.version.cuda, config=dict(kernels.CONFIG))
     try:
         import fla

@@ -22,8 +22,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
-
+from pretrain.cli_help import HelpFormatter
 from pretrain.ops.precision import DTYPES
 from pretrain.tasks import build_model as build_run_model
 from pretrain.tasks.config_checks import load_run_config

@@ -86,7 +86,7 @@ def run_probe(command: list[str], device, *, cpu_mem_limit_gb: float, timeout_s:
     limit = None
     if torch.device(device).type == "cpu":
         cap = int(cpu_mem_limit_gb * 2**30)
-        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap))  # noqa: E731
+        limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, preexec_fn=limit)
     except subprocess.TimeoutExpired:

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from pretrain.cli_help import HelpFormatter  # noqa: E402
+from pretrain.cli_help import HelpFormatter
 
 
 def evaluate(args: argparse.Namespace) -> dict:

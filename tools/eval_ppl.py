@@ -3,14 +3,14 @@
 
     python tools/eval_ppl.py --run runs/tiny_lm --data wiki.test.raw --json
     python tools/eval_ppl.py --run runs/tiny_lm --tag step00000500 --data 'shards/val/shard-{000000..000009}.tar'
-    torchrun --nproc_per_node 4 tools/eval_ppl.py --run-dir runs/tiny_lm --data shards/val   # documents split over ranks
+    torchrun --nproc_per_node 4 tools/eval_ppl.py --run-dir runs/tiny_lm --data shards/val  # documents split over ranks
 
 (``--run-dir`` is ``--run`` under another name: torchrun takes ``--run`` for an abbreviation of its ``--run-path``.)
 
 Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (a shard
-directory, or ``.tar`` names and patterns) are read document by document. Every token, each document's end-of-sequence included, is scored
-once, with the same windows as the trainer's validation (``pretrain/tasks/lm_scoring.py``); ``--stride`` below
-``--seq-len`` gives long documents overlapping context. Reported:
+directory, or ``.tar`` names and patterns) are read document by document. Every token, each document's
+end-of-sequence included, is scored once, with the same windows as the trainer's validation
+(``pretrain/tasks/lm_scoring.py``); ``--stride`` below ``--seq-len`` gives long documents overlapping context. Reported:
   tokens         scored tokens
   nll            mean negative log-likelihood per token (nats); ppl = exp(nll)
   bits_per_byte  total NLL / ln 2 / UTF-8 bytes of the text
@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from pretrain.cli_help import HelpFormatter  # noqa: E402
+from pretrain.cli_help import HelpFormatter
 
 
 def is_shards(path: str) -> bool:

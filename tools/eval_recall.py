@@ -18,7 +18,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pretrain.cli_help import HelpFormatter  # noqa: E402
-
 from pretrain.data.mqar import MQARLoader, MQARSettingError  # noqa: E402
 from pretrain.tasks.recall import recall_scores  # noqa: E402
 from pretrain.train.checkpoint import load_trained_model  # noqa: E402

@@ -6,8 +6,9 @@
 
 The prompt goes through ``model.prefill``: each mixer's parallel (chunked) forward, which also hands over the state
 that decoding goes on from. Linear mixers then decode with constant memory per token (their state is a fixed-size
-sum); softmax layers keep a KV cache that grows by one key and value per token. Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature and
-cut to the ``--top-k`` most likely tokens and/or the smallest set of probability ``--top-p`` before sampling.
+sum); softmax layers keep a KV cache that grows by one key and value per token. Temperature 0 is greedy
+decoding; otherwise the logits are divided by the temperature and cut to the ``--top-k`` most likely tokens and/or
+the smallest set of probability ``--top-p`` before sampling.
 Generation stops at the end-of-sequence token or after ``--max-new-tokens``. The text goes to stdout; the speed
 (tokens/s of the prompt and of the generated tokens) to stderr.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from pretrain.cli_help import HelpFormatter  # noqa: E402
+from pretrain.cli_help import HelpFormatter
 
 
 def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -23,12 +23,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
-
-from pretrain.data.images import make_image_shards  # noqa: E402
-from pretrain.data.shards import expand_shards, recorded_checksums  # noqa: E402
-from pretrain.data.text_files import TXT_DOC_RULES  # noqa: E402
-from pretrain.data.text_shards import make_text_shards  # noqa: E402
+from pretrain.cli_help import HelpFormatter
+from pretrain.data.images import make_image_shards
+from pretrain.data.shards import expand_shards, recorded_checksums
+from pretrain.data.text_files import TXT_DOC_RULES
+from pretrain.data.text_shards import make_text_shards
 
 
 def verify(data: str) -> str:

@@ -24,7 +24,6 @@ from statistics import mean
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pretrain.cli_help import HelpFormatter  # noqa: E402
-
 from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 

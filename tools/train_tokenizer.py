@@ -14,10 +14,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
-
-from pretrain.data.text_files import TXT_DOC_RULES, expand_inputs  # noqa: E402
-from pretrain.data.tokenizer import train_tokenizer  # noqa: E402
+from pretrain.cli_help import HelpFormatter
+from pretrain.data.text_files import TXT_DOC_RULES, expand_inputs
+from pretrain.data.tokenizer import train_tokenizer
 
 
 def main() -> int:

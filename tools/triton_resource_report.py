@@ -20,8 +20,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pretrain.cli_help import HelpFormatter  # noqa: E402
-from pretrain.ops.linear_attention import triton as kernels  # noqa: E402
+from pretrain.cli_help import HelpFormatter
+from pretrain.ops.linear_attention import triton as kernels
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 

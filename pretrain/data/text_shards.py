@@ -22,8 +22,17 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from pretrain.data.shards import MANIFEST, ShardError, ShardWriter, expand_shards, fresh_output_dir, iter_samples, \
-    load_manifest, recorded_checksums, write_manifest
+from pretrain.data.shards import (
+    MANIFEST,
+    ShardError,
+    ShardWriter,
+    expand_shards,
+    fresh_output_dir,
+    iter_samples,
+    load_manifest,
+    recorded_checksums,
+    write_manifest,
+)
 from pretrain.data.text_files import expand_inputs, read_text_documents
 from pretrain.data.tokenizer import Tokenizer
 

@@ -16,8 +16,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pretrain.distributed import (World, apply_activation_checkpointing, apply_sequence_parallel, build_engine,
-                                  close_process_group, init_process_group, split_sequences)
+from pretrain.distributed import (
+    World,
+    apply_activation_checkpointing,
+    apply_sequence_parallel,
+    build_engine,
+    close_process_group,
+    init_process_group,
+    split_sequences,
+)
 from pretrain.distributed.engine import step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.tasks import build_task

@@ -18,8 +18,14 @@ import torch
 from PIL import Image
 
 from pretrain.data import ImageLoader, ShardError, make_image_shards
-from pretrain.data.augment import IMAGENET_MEAN, IMAGENET_STD, center_crop_box, decode_rgb, eval_transform, \
-    random_resized_crop_box
+from pretrain.data.augment import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    center_crop_box,
+    decode_rgb,
+    eval_transform,
+    random_resized_crop_box,
+)
 from pretrain.data.shards import ShardWriter, iter_samples, write_manifest
 
 CLASSES = ["ant", "bee", "cow"]

@@ -5,7 +5,6 @@ import torch
 from pretrain.attention import build_mixer
 
 
-
 def random_mixer(name, *, causal, dim=16, heads=2, seed=0, **options):
     """A float64 mixer whose parameters are all random, so zero-initialised biases and taps take part."""
     torch.manual_seed(seed)

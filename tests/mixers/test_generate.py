@@ -75,7 +75,8 @@ def test_sampling_keeps_to_top_k_and_top_p():
     assert torch.isfinite(generate_tool.filter_logits(logits, top_k=2)).tolist() == [[True, True, False, False, False]]
     probs = logits.softmax(-1)[0]  # ≈ 0.64, 0.24, 0.09, ...: the nucleus of 0.8 needs the first two tokens
     assert probs[0] < 0.8 < probs[:2].sum()
-    assert torch.isfinite(generate_tool.filter_logits(logits, top_p=0.8)).tolist() == [[True, True, False, False, False]]
+    kept = torch.isfinite(generate_tool.filter_logits(logits, top_p=0.8))
+    assert kept.tolist() == [[True, True, False, False, False]]
     draws = {generate_tool.next_token(logits, temperature=1.0, top_k=0, top_p=0.8,
                                       generator=torch.Generator().manual_seed(s)).item() for s in range(50)}
     assert draws == {0, 1}

@@ -2,8 +2,16 @@
 import pytest
 import torch
 
-from pretrain.ops import (aft_conv2d, aft_conv2d_naive, aft_full, aft_full_naive, aft_local, aft_local_naive,
-                          aft_simple, aft_simple_naive)
+from pretrain.ops import (
+    aft_conv2d,
+    aft_conv2d_naive,
+    aft_full,
+    aft_full_naive,
+    aft_local,
+    aft_local_naive,
+    aft_simple,
+    aft_simple_naive,
+)
 
 
 def randn(*shape, scale=1.0, seed=0):
@@ -78,8 +86,9 @@ def test_packed_documents():
     cases = [(aft_full, aft_full_naive, dict(w=w)), (aft_local, aft_local_naive, dict(w_rel=w_rel, window=4)),
              (aft_simple, aft_simple_naive, {})]
     for fast, naive, extra in cases:
-        assert_same_function(lambda q, k, v: fast(q, k, v, cu_seqlens=cu_seqlens, **extra),
-                             lambda q, k, v: naive(q, k, v, cu_seqlens=cu_seqlens, **extra), [q, k, v])
+        assert_same_function(lambda q, k, v: fast(q, k, v, cu_seqlens=cu_seqlens, **extra),  # noqa: B023 (run now)
+                             lambda q, k, v: naive(q, k, v, cu_seqlens=cu_seqlens, **extra),  # noqa: B023
+                             [q, k, v])
 
 
 def random_documents(total, longest, seed):

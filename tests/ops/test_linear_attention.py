@@ -69,7 +69,8 @@ def assert_close_all(got, want, *, rtol, atol, what):
         if b is None:
             assert a is None, f"{what}[{i}]: expected None"
             continue
-        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}[{i}]: {m}")
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what}[{i}]: {m}")  # noqa: B023 (called before i moves on)
 
 
 @pytest.mark.parametrize("impl,causal", [("chunk", True), ("chunk", False), ("recurrent", True)])

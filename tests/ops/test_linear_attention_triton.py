@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from pretrain.ops.linear_attention import LinearAttentionState, linear_attention  # noqa: E402
-from pretrain.ops.linear_attention.state import FIELDS  # noqa: E402
+from pretrain.ops.linear_attention import LinearAttentionState, linear_attention
+from pretrain.ops.linear_attention.state import FIELDS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NORMALIZATIONS = ("none", "divisive", "subtractive")

@@ -52,7 +52,8 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              f"model.layer_pattern=[{','.join(MODEL_LAYERS)}]", f"train.seq_len={SEQ_LEN}",
                              "model.mixer_options.linear.chunk_size=16", "model.mixer_options.inline.chunk_size=16",
                              "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
-                             "model.mixer_options.aft_local.chunk_size=16", "model.mixer_options.aft_simple.chunk_size=16"])
+                             "model.mixer_options.aft_local.chunk_size=16",
+                             "model.mixer_options.aft_simple.chunk_size=16"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():

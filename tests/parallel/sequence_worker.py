@@ -8,15 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import deepspeed
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sequence_cases import CASES, run_case, run_model  # noqa: E402
+from pretrain.parallel import SequenceShard
 
-from pretrain.parallel import SequenceShard  # noqa: E402
+from sequence_cases import CASES, run_case, run_model
 
 
 def main(out_dir: str, names: list[str]) -> None:

@@ -2,8 +2,8 @@
 import pytest
 
 from pretrain.config import ConfigError
-from pretrain.tasks.config_checks import load_run_config
 from pretrain.estimate import estimate
+from pretrain.tasks.config_checks import load_run_config
 
 BASE = ["data.tokenizer=none.model", "data.train_shards=none", "model.vocab_size=512", "model.dim=64",
         "model.n_heads=4", "model.n_layers=2", "train.seq_len=64"]

@@ -19,7 +19,8 @@ BUDGET = ["train.max_steps=3", "train.seq_len=32", "train.micro_batch_size=4", "
 def sweep(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/softmax.yaml",
                            "configs/recall/linear.yaml", *BUDGET[:2], "--widths", "16", "--out", str(out),
-                           "--pairs", "2", "4", "--seq-lens", "32", "64", "--rows", "8", "--json", str(out / "rows.json"),
+                           "--pairs", "2", "4", "--seq-lens", "32", "64", "--rows", "8",
+                           "--json", str(out / "rows.json"),
                            "--plot", str(out / "plot.png"), *BUDGET[2:], *extra],
                           cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
 

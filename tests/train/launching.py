@@ -16,7 +16,8 @@ def tiny_overrides(lm_data: dict[str, str], run_dir: Path, **extra) -> list[str]
         "data.val_shards": lm_data["val_shards"], "data.num_workers": 0, "data.shuffle_buffer": 64,
         "model.dim": 64, "model.n_layers": 2, "model.n_heads": 2, "train.seq_len": 64, "train.micro_batch_size": 4,
         "train.max_steps": 30, "optim.lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 5,
-        "deepspeed.zero_stage": 0, "deepspeed.precision": "fp32", "log.every": 1, "log.val_every": 10, "log.val_batches": 50, "checkpoint.every": 10, "checkpoint.keep_last": 2,
+        "deepspeed.zero_stage": 0, "deepspeed.precision": "fp32", "log.every": 1, "log.val_every": 10,
+        "log.val_batches": 50, "checkpoint.every": 10, "checkpoint.keep_last": 2,
     }
     values.update({key.replace("__", "."): value for key, value in extra.items()})
     return [f"{key}={value}" for key, value in values.items()]
@@ -28,7 +29,8 @@ def launch(overrides: list[str], *, ranks: int = 1, check: bool = True, config: 
     if ranks == 1:
         argv = [PYTHON, "launch/pretrain.py"]
     else:
-        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "launch/pretrain.py"]
+        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                "launch/pretrain.py"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(argv + ["--config", config] + overrides, cwd=REPO, env=env,
                             capture_output=True, text=True, **popen)

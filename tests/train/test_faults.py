@@ -93,7 +93,7 @@ def finish(process: subprocess.Popen, timeout: float = PROMPTLY) -> str:
         output = process.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
         kill_tree(running | process_tree(process.pid))
-        raise AssertionError(f"the run did not end within {timeout} s:\n{process.communicate()[0][-4000:]}")
+        raise AssertionError(f"the run did not end within {timeout} s:\n{process.communicate()[0][-4000:]}") from None
     deadline = time.time() + 10  # workers notice a dead parent within seconds
     while running & set(parents()) and time.time() < deadline:
         time.sleep(0.1)

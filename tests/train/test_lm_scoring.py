@@ -12,8 +12,14 @@ from pretrain.distributed.process_group import World
 from pretrain.models import build_lm
 from pretrain.tasks.config_checks import load_run_config
 from pretrain.tasks.lm import LMTask
-from pretrain.tasks.lm_scoring import (IGNORE, POSITION_BUCKETS, batch_nll, document_windows, position_bucket,
-                                     score_documents)
+from pretrain.tasks.lm_scoring import (
+    IGNORE,
+    POSITION_BUCKETS,
+    batch_nll,
+    document_windows,
+    position_bucket,
+    score_documents,
+)
 
 EOS = 3
 

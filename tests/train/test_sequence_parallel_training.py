@@ -1,10 +1,10 @@
 """Training with each row split across ranks equals training on whole rows: real DeepSpeed runs on gloo ranks.
 
 A hybrid LM (a linear layer and a softmax layer, so both the state exchange and Ulysses run) trains for a few
-steps of two accumulated micro-batches. With ``parallel.sequence_parallel=2`` on 2 ranks the pair reads the rows one rank reads alone, so the global
-batch is the same: losses, gradient norms, validation losses and final weights must match one rank's to 1e-5
-(fp32; the sums run in another order), under ZeRO 0, 2 and 3 (with activation checkpointing, which replays
-the forward's collectives in backward). Then data × sequence parallel on 4 ranks against
+steps of two accumulated micro-batches. With ``parallel.sequence_parallel=2`` on 2 ranks the pair reads the rows
+one rank reads alone, so the global batch is the same: losses, gradient norms, validation losses and final weights
+must match one rank's to 1e-5 (fp32; the sums run in another order), under ZeRO 0, 2 and 3 (with activation
+checkpointing, which replays the forward's collectives in backward). Then data × sequence parallel on 4 ranks against
 data parallel on 2, and an exact resume of a sequence-parallel run.
 """
 import shutil
@@ -23,7 +23,8 @@ STEPS = 4
 def overrides(lm_data, run_dir, *, stage=0, sp=1, **extra):
     return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, parallel__sequence_parallel=sp,
                           model__layer_pattern="[linear,softmax]", model__mixer_options__linear__chunk_size=16,
-                          train__seq_len=96, train__grad_accum_steps=2, train__max_steps=STEPS, schedule__warmup_steps=1, log__val_every=2, log__val_batches=4,
+                          train__seq_len=96, train__grad_accum_steps=2, train__max_steps=STEPS,
+                          schedule__warmup_steps=1, log__val_every=2, log__val_batches=4,
                           checkpoint__every=2, optim__eps=1e-6, **extra)
 # optim.eps: Adam divides each coordinate's step by its own gradient scale, so with the default 1e-8 a coordinate
 # whose gradient is round-off (~1e-8) takes a step of up to lr whose sign another summation order may flip (seen:
@@ -100,8 +101,8 @@ def test_eval_ppl_split_over_two_sequence_ranks_agrees_with_one_process(runs, lm
 
     import numpy as np
 
-    from pretrain.data.text_shards import read_shard_documents
     from pretrain.data.shards import expand_shards
+    from pretrain.data.text_shards import read_shard_documents
     from pretrain.tasks.lm_scoring import IGNORE, packed_rows
 
     from launching import PYTHON, REPO

@@ -22,14 +22,16 @@ def test_deepspeed_json_follows_our_keys(stage, precision):
     ds = deepspeed_config(cfg, world_size=4)
     assert ds["zero_optimization"]["stage"] == stage
     assert ds["bf16"]["enabled"] == (precision == "bf16") and ds["fp16"]["enabled"] == (precision == "fp16")
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]) == (3, 5, 60)
+    sizes = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]
+    assert sizes == (3, 5, 60)
     assert ds["gradient_clipping"] == 0.5
     assert "offload_optimizer" not in ds["zero_optimization"] and "offload_param" not in ds["zero_optimization"]
 
 
 def test_offload_and_extra_keys_merge_deeply():
     cfg = config(deepspeed__zero_stage=3, deepspeed__offload_optimizer=True, deepspeed__offload_params=True,
-                 deepspeed__extra={"zero_optimization": {"stage3_prefetch_bucket_size": 7}, "wall_clock_breakdown": True})
+                 deepspeed__extra={"zero_optimization": {"stage3_prefetch_bucket_size": 7},
+                                   "wall_clock_breakdown": True})
     zero = deepspeed_config(cfg, world_size=1)["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     assert zero["stage"] == 3 and zero["stage3_prefetch_bucket_size"] == 7
