@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..ops import aft_conv2d, aft_full, aft_local, aft_simple
-from ..ops.aft_causal import aft_state, combine_aft_states, state_as_token
+from ..ops.aft import aft_state, combine_aft_states, state_as_token
 from ..parallel import exchange_with_earlier_ranks, slice_layout
 from .base import Mixer
 from .registry import register

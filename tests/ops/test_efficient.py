@@ -68,7 +68,7 @@ def test_extreme_keys_equal_the_definition_with_gradients(monkeypatch, case):
     """Inside a chunk the weights are factored into two exponentials; one channel of one head whose keys spread
     ~100 within a chunk would overflow them, so that (batch, chunk, head) alone takes exact per-channel weights.
     Keys far below an earlier chunk's make the factored in-chunk weights underflow, as the true ones do."""
-    from pretrain.ops import efficient
+    from pretrain.ops.efficient import chunk as efficient
 
     exact_slices = []
     exact = efficient._exact_within_chunk

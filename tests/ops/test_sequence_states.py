@@ -76,7 +76,7 @@ def test_efficient_empty_state_is_the_identity_and_its_gradients_are_finite():
 def test_aft_state_combines_and_stands_in_for_its_tokens():
     """The state of a run of tokens, as one token in front of the rest, gives the rest the outputs the run gave."""
     from pretrain.ops import aft_simple
-    from pretrain.ops.aft_causal import aft_state, combine_aft_states, state_as_token
+    from pretrain.ops.aft import aft_state, combine_aft_states, state_as_token
 
     torch.manual_seed(1)
     q, k, v = (torch.randn(B, T, 5, dtype=torch.float64) for _ in range(3))
@@ -94,7 +94,7 @@ def test_aft_state_combines_and_stands_in_for_its_tokens():
 
 
 def test_aft_empty_state_is_the_identity_and_its_gradients_are_finite():
-    from pretrain.ops.aft_causal import aft_state, combine_aft_states, state_as_token
+    from pretrain.ops.aft import aft_state, combine_aft_states, state_as_token
 
     torch.manual_seed(2)
     k, v = torch.randn(B, T, 5, dtype=torch.float64, requires_grad=True), torch.randn(B, T, 5, dtype=torch.float64)

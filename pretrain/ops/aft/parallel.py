@@ -1,37 +1,13 @@
-"""AFT — the Attention Free Transformer (Zhai et al. 2021): per-channel attention with a learned position bias.
-
-REFERENCE §5. Layout ``[B, T, C]`` (AFT has no heads except AFT-conv's kernel groups).
-``Y_t = σ(Q_t) ⊙ Σ_{t'} e^{K_{t'} + w_{t,t'}} ⊙ V_{t'} / Σ_{t'} e^{K_{t'} + w_{t,t'}}``; causal: ``t' ≤ t``.
-
-- ``aft_full``: any bias ``w [T_max, T_max]``; O(T·C) memory beside the bias by two matmuls with ``e^w``.
-- ``aft_local``: a relative bias inside a window of ``s`` tokens and **0 outside** (distant tokens still count):
-  ``num = Σ_all e^K V + Σ_{|t−t'|<s} (e^w − 1) e^K V`` (den: V → 1). Causal form: ``aft_causal.py``.
-- ``aft_simple``: no bias — a (prefix) softmax over positions, per channel.
-- ``aft_conv2d``: per-head s×s relative biases on an image grid, as a depthwise convolution.
-Each has a naive O(T²·C) reference built on ``aft_full_naive``, the one oracle.
+"""AFT's fast forms over whole sequences: matmuls with ``e^w`` (full), convolutions (local non-causal, conv2d),
+sums (simple); causal local and simple hand over to ``chunk.py``.
 """
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .aft_causal import causal_aft
-from .documents import document_mask, document_positions, per_document
-from .precision import upcast
-
-
-def aft_full_naive(q, k, v, w, *, causal=True, cu_seqlens=None):
-    """The definition: for each (t, channel) a masked softmax over t' of ``K_{t'} + w_{t,t'}``.
-
-    With ``cu_seqlens`` the bias is indexed by positions within each document.
-    """
-    total = k.shape[1]
-    allowed = document_mask(total, cu_seqlens, causal=causal, device=k.device)
-    positions = document_positions(total, cu_seqlens, device=k.device)
-    q, k, v_acc, w = upcast(q, k, v, w)
-    bias = w[positions[:, None], positions[None, :]]  # [t, t']
-    logits = (k[:, None, :, :] + bias[None, :, :, None]).masked_fill(~allowed[None, :, :, None], float("-inf"))
-    weights = torch.softmax(logits, dim=2)  # over t'
-    return (torch.sigmoid(q) * torch.einsum("btjc,bjc->btc", weights, v_acc)).to(v.dtype)
+from ..documents import per_document
+from ..precision import upcast
+from .chunk import causal_aft
 
 
 def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None, chunk_size=64):
@@ -72,26 +48,12 @@ def _aft_rows(q, k, v, w):
     return torch.sigmoid(q) * torch.matmul(exp_w, exp_k * v) / torch.matmul(exp_w, exp_k)
 
 
-def local_bias_matrix(w_rel, total, *, window, causal):
-    """The dense ``[T, T]`` bias of AFT-local: ``w_rel`` at offsets inside the window, 0 outside."""
-    offset = torch.arange(total, device=w_rel.device)[:, None] - torch.arange(total, device=w_rel.device)[None, :]
-    index = offset if causal else offset + window - 1
-    inside = (offset.abs() < window) & (index >= 0) & (index < w_rel.shape[0])
-    return w_rel[index.clamp(0, w_rel.shape[0] - 1)].masked_fill(~inside, 0)
-
-
-def aft_local_naive(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None):
-    _check_local_bias(w_rel, window, causal)
-    bias = local_bias_matrix(w_rel, k.shape[1], window=window, causal=causal)
-    return aft_full_naive(q, k, v, bias, causal=causal, cu_seqlens=cu_seqlens)
-
-
 def aft_local(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None, chunk_size=64):
     """AFT-local with a relative bias: ``w_rel[i]`` is the bias at offset ``t − t' = i`` (causal, ``[window]``)
     or ``t − t' = i − (window − 1)`` (non-causal, ``[2·window − 1]``); 0 for ``|t − t'| ≥ window``.
 
     Causal: all chunks of ``max(chunk_size, window)`` tokens at once, packed documents included
-    (``aft_causal.py``). Non-causal: global sums plus a 1-D convolution with kernel ``e^w − 1``.
+    (``chunk.py``). Non-causal: global sums plus a 1-D convolution with kernel ``e^w − 1``.
     """
     _check_same_shape("aft_local", q, k, v)
     _check_local_bias(w_rel, window, causal)
@@ -114,11 +76,6 @@ def aft_local(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None, chunk_siz
     return (torch.sigmoid(q) * num / den).to(v.dtype)
 
 
-def aft_simple_naive(q, k, v, *, causal=True, cu_seqlens=None):
-    no_bias = k.new_zeros(k.shape[1], k.shape[1])
-    return aft_full_naive(q, k, v, no_bias, causal=causal, cu_seqlens=cu_seqlens)
-
-
 def aft_simple(q, k, v, *, causal=True, cu_seqlens=None, chunk_size=64):
     """AFT-simple: ``σ(Q_t) ⊙ Σ_{t'} softmax_{t'}(K) ⊙ V_{t'}``; causal: a per-channel prefix softmax."""
     _check_same_shape("aft_simple", q, k, v)
@@ -129,25 +86,6 @@ def aft_simple(q, k, v, *, causal=True, cu_seqlens=None, chunk_size=64):
     q, k, v_acc = upcast(q, k, v)
     pooled = (torch.softmax(k, dim=1) * v_acc).sum(dim=1, keepdim=True)
     return (torch.sigmoid(q) * pooled).to(v.dtype)
-
-
-def aft_conv2d_naive(q, k, v, w, *, hw, heads):
-    """Per head, a dense T×T bias from the s×s kernel (2-D offsets inside it, 0 outside), then ``aft_full_naive``."""
-    _check_conv(q, k, v, w, hw, heads)
-    height, width = hw
-    size = w.shape[-1]
-    rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
-    rows, cols = rows.reshape(-1).to(w.device), cols.reshape(-1).to(w.device)
-    dy = rows[None, :] - rows[:, None] + size // 2  # t' − t, shifted into kernel indices
-    dx = cols[None, :] - cols[:, None] + size // 2
-    inside = (dy >= 0) & (dy < size) & (dx >= 0) & (dx < size)
-    group = k.shape[-1] // heads
-    outputs = []
-    for head in range(heads):
-        bias = w[head][dy.clamp(0, size - 1), dx.clamp(0, size - 1)].masked_fill(~inside, 0)
-        piece = slice(head * group, (head + 1) * group)
-        outputs.append(aft_full_naive(q[..., piece], k[..., piece], v[..., piece], bias, causal=False))
-    return torch.cat(outputs, dim=-1)
 
 
 def aft_conv2d(q, k, v, w, *, hw, heads):

@@ -16,8 +16,8 @@ outside what learned keys do.
 import torch
 import torch.nn.functional as F
 
-from .documents import causal_same_document, chunked_document_ids
-from .precision import upcast
+from ..documents import causal_same_document, chunked_document_ids
+from ..precision import upcast
 
 
 def causal_aft(q, k, v, w_rel, *, chunk, cu_seqlens=None):
@@ -128,35 +128,3 @@ def affine_scan(a, b, times, plus):
         a = torch.cat([a[:, :shift], times(a[:, :-shift], a[:, shift:])], dim=1)
         shift *= 2
     return b
-
-
-def aft_state(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The prefix state ``(num, den, max)`` ``[B, C]`` that the tokens of ``k``, ``v [B, T, C]`` where ``mask [B, T]``
-    leave, from nothing: ``num = Σ e^{K − max} V``, ``den = Σ e^{K − max}``, ``max`` the largest key per channel. A
-    row with no token leaves the empty state ``(0, 0, −∞)``."""
-    k, v = upcast(k, v)
-    keys = k.masked_fill(~mask[..., None], float("-inf"))
-    top = keys.amax(dim=1)
-    weights = torch.exp(keys - _finite(top)[:, None])
-    return (weights * v).sum(1), weights.sum(1), top
-
-
-def combine_aft_states(earlier, later) -> tuple[torch.Tensor, ...]:
-    """The state after ``earlier``'s tokens and then ``later``'s: both sums rescaled to the joint max."""
-    (num_a, den_a, top_a), (num_b, den_b, top_b) = earlier, later
-    top = torch.maximum(top_a, top_b)
-    scale_a, scale_b = torch.exp(top_a - _finite(top)), torch.exp(top_b - _finite(top))
-    return scale_a * num_a + scale_b * num_b, scale_a * den_a + scale_b * den_b, top
-
-
-def state_as_token(state) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(key, value)`` of one token that adds to every later prefix sum exactly what ``state`` adds:
-    ``e^{key} = e^{max} den`` and ``value = num / den``. Finite (and meaningless) for the empty state."""
-    num, den, top = state
-    den = torch.where(den > 0, den, 1.0)
-    return _finite(top) + torch.log(den), num / den
-
-
-def _finite(top: torch.Tensor) -> torch.Tensor:
-    """``top`` with the empty state's −∞ as 0, so ``exp(x − top)`` of empty sums is 0, never NaN."""
-    return torch.where(torch.isfinite(top), top, 0.0)
