@@ -1,16 +1,19 @@
 #!/usr/bin/env python
 """Perplexity of a trained run on text files or token shards, from a checkpoint of any ZeRO stage.
 
-    python tools/eval_ppl.py --run runs/tiny_lm --data wiki.test.raw --json
+    python tools/eval_ppl.py --run runs/tiny_lm --data wiki.test.txt --txt-docs wikitext --json
     python tools/eval_ppl.py --run runs/tiny_lm --tag step00000500 --data 'shards/val/shard-{000000..000009}.tar'
     torchrun --nproc_per_node 4 tools/eval_ppl.py --run-dir runs/tiny_lm --data shards/val  # documents split over ranks
 
 (``--run-dir`` is ``--run`` under another name: torchrun takes ``--run`` for an abbreviation of its ``--run-path``.)
 
-Text files are tokenized with the run's tokenizer (``data.tokenizer``), one document per file; shards (a shard
-directory, or ``.tar`` names and patterns) are read document by document. Every token, each document's
-end-of-sequence included, is scored once, with the same windows as the trainer's validation
-(``pretrain/tasks/lm_scoring.py``); ``--stride`` below ``--seq-len`` gives long documents overlapping context. Reported:
+Text files (``.txt``, ``.jsonl``, ``.gz`` of either) are cut into documents by make_shards' rule
+(``pretrain.data.text_files``: a ``.jsonl`` record, or ``--txt-docs`` for ``.txt``, blank-line paragraphs by default),
+so a text file and the shards made from it score the same; they are tokenized with the run's tokenizer
+(``data.tokenizer``). Shards (a shard directory, or ``.tar`` names and patterns) are read document by document.
+Every token, each document's end-of-sequence included, is scored once, with the same windows as the trainer's
+validation (``pretrain/tasks/lm_scoring.py``); ``--stride`` below ``--seq-len`` gives long documents overlapping
+context. Reported:
   tokens         scored tokens
   nll            mean negative log-likelihood per token (nats); ppl = exp(nll)
   bits_per_byte  total NLL / ln 2 / UTF-8 bytes of the text
@@ -28,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from pretrain.cli_help import HelpFormatter
+from pretrain.data.text_files import TXT_DOC_RULES
 
 
 def is_shards(path: str) -> bool:
@@ -40,11 +44,13 @@ def word_units(text: str) -> int:
     return len(text.split()) + len(text.splitlines())
 
 
-def documents(paths: list[str], tokenizer, allow_pipe: bool):
-    """(tokens with eos, UTF-8 bytes, word units) of every document named by ``paths``."""
+def documents(paths: list[str], tokenizer, allow_pipe: bool, txt_docs: str = "paragraphs"):
+    """(tokens with eos, UTF-8 bytes, word units) of every document named by ``paths``; text files are cut into
+    documents and tokenized as ``make_shards.py text`` does."""
     import numpy as np
 
     from pretrain.data import read_documents
+    from pretrain.data.text_files import read_text_documents
 
     for path in paths:
         if is_shards(path):
@@ -53,9 +59,9 @@ def documents(paths: list[str], tokenizer, allow_pipe: bool):
         else:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"--data {path}: no such file")
-            text = Path(path).read_text(encoding="utf-8")
-            tokens = np.array(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int64)
-            yield tokens, len(text.encode("utf-8")), word_units(text)
+            for text in read_text_documents([path], txt_docs=txt_docs):
+                tokens = np.array(tokenizer.encode(text) + [tokenizer.eos_id], dtype=np.int64)
+                yield tokens, len(text.encode("utf-8")), word_units(text)
 
 
 def launched_ranks() -> bool:
@@ -103,7 +109,7 @@ def score(args, model, cfg, checkpoint_path, world) -> dict:
     model.to(device)
     tokenizer = Tokenizer(cfg.data.tokenizer)
 
-    docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe))
+    docs = [doc for i, doc in enumerate(documents(args.data, tokenizer, cfg.data.allow_pipe, args.txt_docs))
             if i % world.data_size == rank]
     local_tokens = sum(len(tokens) for tokens, _, _ in docs)
     with tqdm(total=local_tokens, unit="tok", desc="scoring", file=sys.stderr, disable=rank != 0) as bar:
@@ -145,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run directory (holds config.yaml and checkpoints/)")
     parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
     parser.add_argument("--data", required=True, nargs="+",
-                        help="text files, shard directories and/or shard patterns (.tar)")
+                        help="text files (.txt, .jsonl, .gz of either), shard directories and/or shard patterns (.tar)")
+    parser.add_argument("--txt-docs", choices=TXT_DOC_RULES, default="paragraphs",
+                        help="document boundaries in .txt, as make_shards.py text --txt-docs: blank-line paragraphs, "
+                             "WikiText ' = Title = ' articles, or the whole file")
     parser.add_argument("--seq-len", type=int, help="window length (default: the run's train.seq_len)")
     parser.add_argument("--stride", type=int, help="window start every S tokens (default: --seq-len, no overlap)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward")
