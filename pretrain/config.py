@@ -69,6 +69,10 @@ class TrainConfig:
     max_steps: int = 1000
     grad_clip: float = 1.0  # max global gradient norm; 0 → no clipping
     max_nonfinite_steps: int = 5  # K non-finite losses in a row stop the run
+    # a run directory (its latest checkpoint) or a tools/export.py directory: start from its weights only (new
+    # optimizer, schedule and data position; seq_len may differ), for context extension and fine-tuning. A run
+    # that has a checkpoint of its own resumes from it instead.
+    init_from: str | None = None
 
 
 @dataclass

@@ -28,11 +28,10 @@ def evaluate(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
     from pretrain.data.image_loader import ImageLoader
-    from pretrain.tasks.config_checks import load_run_config
     from pretrain.tasks.vision import score_images
-    from pretrain.train.checkpoint import load_trained_model
+    from pretrain.train.checkpoint import load_trained_model, trained_config
 
-    cfg = load_run_config(Path(args.run) / "config.yaml")  # checked before the weights are read
+    cfg = trained_config(Path(args.run))  # checked before the weights are read
     if cfg.task != "vision":
         raise ValueError(f"--run {args.run} is a task {cfg.task!r} run; eval_cls scores vision runs "
                          "(tools/eval_ppl.py scores language models)")
@@ -58,7 +57,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--run", "--run-dir", dest="run", required=True,
-                        help="run directory (holds config.yaml and checkpoints/)")
+                        help="run directory (holds config.yaml and checkpoints/), or a model directory written by "
+                             "tools/export.py")
     parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
     parser.add_argument("--data", required=True, help="image shards: a shard directory or a .tar pattern")
     parser.add_argument("--resolution", type=int, help="square side in pixels (default: the run's vision.image_size)")

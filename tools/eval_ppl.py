@@ -148,7 +148,8 @@ def position_rows(by_position) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--run", "--run-dir", dest="run", required=True,
-                        help="run directory (holds config.yaml and checkpoints/)")
+                        help="run directory (holds config.yaml and checkpoints/), or a model directory written by "
+                             "tools/export.py")
     parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
     parser.add_argument("--data", required=True, nargs="+",
                         help="text files (.txt, .jsonl, .gz of either), shard directories and/or shard patterns (.tar)")

@@ -76,7 +76,8 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, *, temperature: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    parser.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/), or a model "
+                                                     "directory written by tools/export.py")
     parser.add_argument("--tag", default="latest", help="checkpoint tag, e.g. step00000500 (default: latest)")
     parser.add_argument("--prompt", required=True, help="text to continue (at least one token)")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="most tokens to generate")

@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ..atomic import atomic_path
+from ..config import ConfigError
 from ..distributed.engine import reapply_lr_schedule
 from ..distributed.process_group import lost_a_rank
+from ..models.pretrained import CONFIG, TOKENIZER, WEIGHTS, is_export, load_pretrained, read_export_config
 from ..tasks import build_model
 from ..tasks.config_checks import load_run_config
 
@@ -169,14 +171,37 @@ def load_model_weights(ckpt_dir: Path, tag: str, *, zero_stage: int) -> dict[str
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
 
 
+def trained_config(path: Path):
+    """The checked config of a run directory (``config.yaml``) or of an exported model directory (``config.json``,
+    with ``data.tokenizer`` pointing at the tokenizer copy beside it), without reading any weights."""
+    path = Path(path)
+    if is_export(path):
+        overrides = []
+        if read_export_config(path).get("data", {}).get("tokenizer"):  # the run had a tokenizer: the copy
+            tokenizer = path / TOKENIZER
+            if not tokenizer.is_file():
+                raise FileNotFoundError(f"{tokenizer} is missing: export the run again")
+            overrides = [f"data.tokenizer={tokenizer}"]
+        return load_run_config(path / CONFIG, overrides)
+    if not (path / "config.yaml").is_file():
+        raise FileNotFoundError(f"{path} is neither a run directory (no {path / 'config.yaml'}) nor an exported "
+                                f"model (no {path / WEIGHTS})")
+    return load_run_config(path / "config.yaml")
+
+
 def load_trained_model(run: Path, tag: str = "latest"):
-    """``(model, cfg, checkpoint_dir)`` of a run directory: its ``config.yaml`` and the weights of ``tag``.
+    """``(model, cfg, source)`` of a run directory (its config and the weights of checkpoint ``tag``) or of an
+    exported model directory (``tools/export.py``; the source is the directory).
 
     The model comes back in fp32 on CPU, in eval mode; ``tag="latest"`` follows the run's ``latest`` pointer.
     DeepSpeed's ``zero_to_fp32`` reports on stdout; that goes to stderr so a tool's stdout stays its results.
     """
     run = Path(run)
-    cfg = load_run_config(run / "config.yaml")
+    cfg = trained_config(run)
+    if is_export(run):
+        if tag != "latest":
+            raise ValueError(f"{run} is an exported model, which has no checkpoint tags; drop --tag {tag}")
+        return load_pretrained(run), cfg, run
     ckpt_dir = run / "checkpoints"
     resolved = latest_tag(ckpt_dir) if tag == "latest" else tag
     if resolved is None:
@@ -186,3 +211,23 @@ def load_trained_model(run: Path, tag: str = "latest"):
         weights = load_model_weights(ckpt_dir, resolved, zero_stage=cfg.deepspeed.zero_stage)
     model.load_state_dict(weights)
     return model.eval(), cfg, ckpt_dir / resolved
+
+
+def init_weights(model: torch.nn.Module, source: str) -> Path:
+    """Copy into ``model`` the weights of ``source`` (``train.init_from``: a run directory's latest checkpoint or an
+    exported model), weights only; another architecture is refused naming the parameter and both shapes. Returns
+    the checkpoint or directory read."""
+    try:
+        trained, _, where = load_trained_model(Path(source))
+    except (OSError, ValueError) as err:  # a missing or broken source; its config (ConfigError is a ValueError)
+        raise ConfigError("train.init_from", f"cannot load {source}: {err}") from None
+    theirs, ours = trained.state_dict(), model.state_dict()
+    shape = lambda t: "absent" if t is None else f"shape {list(t.shape)}"
+    for name in [*ours, *(name for name in theirs if name not in ours)]:
+        mine, found = ours.get(name), theirs.get(name)
+        if mine is None or found is None or mine.shape != found.shape:
+            raise ConfigError("train.init_from", f"parameter {name} has {shape(found)} in {where} but {shape(mine)} "
+                                                 "in this run's model: the architectures differ; make model.* (and "
+                                                 "the vocabulary) match the source's")
+    model.load_state_dict(theirs)
+    return where

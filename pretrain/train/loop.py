@@ -131,6 +131,11 @@ class Trainer:
 
         seed_everything(cfg.run.seed)  # the same initial weights on every rank
         model = self.task.build_model()
+        # train.init_from: another run's weights, before DeepSpeed takes the model (ZeRO-3 partitions them then);
+        # a run with a checkpoint of its own resumes from it instead (resume below)
+        self.initialised_from = None
+        if cfg.train.init_from and checkpoint.latest_tag(self.ckpt_dir) is None:
+            self.initialised_from = checkpoint.init_weights(model, cfg.train.init_from)
         train_flops_per_unit = self.task.train_flops_per_unit(model)  # before ZeRO-3 partitions the weights
         apply_sequence_parallel(model, self.world.sequence, t.seq_len)
         if cfg.deepspeed.activation_checkpointing:
@@ -155,12 +160,18 @@ class Trainer:
         resumed = checkpoint.load(self.engine, self.ckpt_dir)
         if resumed is None:
             self.writer.text("config", "```\n" + OmegaConf.to_yaml(self.cfg) + "```")
+            if self.initialised_from:
+                self.writer.print(f"initialised the weights from {self.initialised_from} (train.init_from; a new "
+                                  "optimizer, schedule and data position)")
             return
         self.counters = Counters(**resumed["counters"])
         self.task.load_state_dict(resumed["data"])
         set_rng_state(resumed["rng"])
         self.writer.print(f"resumed from {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)} "
                           f"at step {self.counters.step}")
+        if self.cfg.train.init_from:
+            self.writer.print(f"train.init_from {self.cfg.train.init_from} is not applied: the run resumes from its "
+                              "own checkpoint")
 
     def save(self) -> None:
         state = {"counters": asdict(self.counters), "data": self.task.state_dict(), "rng": rng_state(),
