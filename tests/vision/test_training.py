@@ -113,6 +113,19 @@ def test_eval_cls_agrees_with_the_logged_validation_and_runs_at_another_resoluti
     assert larger["top1"] >= 75  # colours do not depend on the resolution: far above chance (25 %)
 
 
+def test_an_exported_backbone_scores_as_its_run(trained, image_data, tmp_path):
+    """tools/export.py on a vision run (no tokenizer to copy); eval_cls takes the directory as --run."""
+    out = tmp_path / "export"
+    done = subprocess.run([PYTHON, "tools/export.py", "--run", str(trained), "--out", str(out)], cwd=REPO,
+                          env=ONE_THREAD, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == ["config.json", "model.safetensors"]
+    scores, logged = eval_cls(out, image_data["val"]), read_metrics(trained)[STEPS]
+    assert scores["checkpoint"] == str(out) and scores["images"] == logged["val/images"]
+    assert scores["top1"] == pytest.approx(logged["val/top1"]) and scores["loss"] == pytest.approx(logged["val/loss"],
+                                                                                                   rel=1e-5)
+
+
 def test_eval_cls_refuses_a_resolution_off_the_grid(trained, image_data):
     result = subprocess.run([PYTHON, "tools/eval_cls.py", "--run", str(trained), "--data", image_data["val"],
                              "--resolution", "40"], cwd=REPO, env=ONE_THREAD, capture_output=True, text=True)
