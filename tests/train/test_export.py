@@ -186,3 +186,12 @@ def test_init_from_another_architecture_is_refused_naming_the_parameter_and_both
     assert message.startswith("config error: train.init_from: parameter embed.weight has shape [320, 64] in "
                               f"{run(0) / 'checkpoints' / TAG} but shape [320, 96] in this run's model"), message
     assert not (tmp_path / "wider" / "checkpoints" / "latest").exists()
+
+
+def test_init_from_a_missing_directory_is_one_line_naming_it(lm_data, tmp_path):
+    result = launch(init_overrides(lm_data, tmp_path / "run", tmp_path / "absent"), check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"config error: train.init_from: cannot load {tmp_path / 'absent'}: {tmp_path / 'absent'} is neither a run "
+        f"directory (no {tmp_path / 'absent' / 'config.yaml'}) nor an exported model (no "
+        f"{tmp_path / 'absent' / 'model.safetensors'})")
