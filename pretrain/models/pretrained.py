@@ -39,8 +39,8 @@ def read_export_config(path: str | os.PathLike) -> dict:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{file}: not valid JSON ({err}); export the run again") from None
-    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
-        raise ValueError(f"{file}: has no 'model' section; export the run again")
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object of config sections; export the run again")
     return config
 
 
@@ -56,7 +56,7 @@ def _section(cls, config: dict, name: str, file: Path):
     return cls(**values)
 
 
-def build_exported_model(config: dict, file: Path) -> nn.Module:
+def _build_model(config: dict, file: Path) -> nn.Module:
     """The model ``config`` (an exported ``config.json``) describes, with freshly initialised weights."""
     model = _section(ModelConfig, config, "model", file)
     if config.get("task") == "vision":
@@ -71,13 +71,14 @@ def load_pretrained(path: str | os.PathLike) -> nn.Module:
 
     path = Path(path)
     config = read_export_config(path)
-    model = build_exported_model(config, path / CONFIG)
+    model = _build_model(config, path / CONFIG)
     weights = path / WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} is missing: export the run again (tools/export.py --run RUN --out {path})")
     try:
         load_model(model, weights, strict=True)
     except (SafetensorError, RuntimeError) as err:  # a truncated file; names or shapes other than config.json's
-        cause = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+        cause = lines[1] if len(lines) > 1 and lines[0].endswith(":") else lines[0]  # past torch's header line
         raise ValueError(f"{weights} does not hold the model {path / CONFIG} describes: {cause}") from None
     return model.eval()

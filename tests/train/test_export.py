@@ -139,6 +139,16 @@ def test_a_bad_or_missing_directory_is_one_line_naming_the_file(exported, tmp_pa
         load_pretrained(no_config)
     with pytest.raises(ValueError, match=f"{truncated / 'model.safetensors'} does not hold the model"):
         load_pretrained(truncated)
+    (truncated / "model.safetensors").write_bytes((exported(0) / "model.safetensors").read_bytes())
+    config = json.loads((exported(0) / "config.json").read_text())
+    (truncated / "config.json").write_text(json.dumps({**config, "model": {**config["model"], "dim": 96}}))
+    with pytest.raises(ValueError, match=r"does not hold the model .* size mismatch"):  # weights of another shape
+        load_pretrained(truncated)
+    (truncated / "config.json").write_text(json.dumps({**config, "model": {**config["model"], "depth": 2}}))
+    with pytest.raises(ValueError, match=r"config.json: model.depth is not a key of this version's ModelConfig"):
+        load_pretrained(truncated)
+    (truncated / "model.safetensors").write_bytes((exported(0) / "model.safetensors").read_bytes()[:5000])
+    (truncated / "config.json").write_bytes((exported(0) / "config.json").read_bytes())
     for path, named in ((missing, missing / "config.yaml"), (no_config, no_config / "config.json"),
                         (truncated, truncated / "model.safetensors")):
         result = tool("tools/eval_ppl.py", "--run", str(path), "--data", "unused.txt")
