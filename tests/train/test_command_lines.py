@@ -10,6 +10,7 @@ TOOLS = [
     (["tools/eval_ppl.py"], ["--run", "--tag", "--data", "--json"], "windows per forward (default: 8)"),
     (["tools/eval_cls.py"], ["--run", "--tag", "--data", "--json"], "(default: cpu)"),
     (["tools/generate.py"], ["--run", "--tag"], "most tokens to generate (default: 100)"),
+    (["tools/export.py"], ["--run", "--tag", "--out"], "dtype of the stored weights (default: fp32)"),
     (["tools/make_shards.py", "text"], ["--input", "--out"], "(default: 10000)"),
     (["tools/make_shards.py", "verify"], ["--data"], None),
     (["tools/demo.py"], ["--run"], "(default: runs/demo)"),
