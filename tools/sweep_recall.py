@@ -7,9 +7,11 @@
 Every run gets the same overrides (the budget), plus its width (``model.dim``) and seed (``run.seed``), so only the
 configs' own keys differ. Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python),
 and are scored by ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens``. A run whose ``eval.json`` exists
-is not redone, so an interrupted sweep continues where it stopped. Prints a markdown table of accuracy (mean over
-seeds) per mixer and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
-the decoding state's bytes, one panel per setting (the plot of Zoology, arXiv 2312.04927).
+is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
+refused: its figures would pass for this sweep's). Prints a markdown table of accuracy (mean over seeds) per mixer
+and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
+the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
+2312.04927).
 """
 import argparse
 import json
@@ -46,14 +48,19 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace)
     """Train and score one setting, or read its ``eval.json`` when an earlier sweep got that far."""
     run_dir = args.out / f"{Path(config_path).stem}_d{width}_s{seed}"
     result_file = run_dir / "eval.json"
-    if result_file.exists():
-        return json.loads(result_file.read_text())
-    run_dir.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, f"model.dim={width}", f"run.seed={seed}", f"run.dir={run_dir}"]
     train = [sys.executable, "launch/pretrain.py", "--config", config_path, *overrides]
-    train_s = run_logged(train, run_dir / "train.log")
     evaluate = [sys.executable, "tools/eval_recall.py", "--run", str(run_dir), "--json", str(run_dir / "scores.json"),
                 "--pairs", *map(str, args.pairs), "--seq-lens", *map(str, args.seq_lens), "--rows", str(args.rows)]
+    if result_file.exists():
+        row = json.loads(result_file.read_text())
+        for kind, command in (("train", train), ("eval", evaluate)):  # the python may differ, the arguments not
+            if row[f"{kind}_command"].split()[1:] != command[1:]:
+                raise SystemExit(f"{run_dir} holds a run made by another {kind} command ({row[f'{kind}_command']});"
+                                 " give another --out or delete it")
+        return row
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train_s = run_logged(train, run_dir / "train.log")
     run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "scores.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -102,13 +109,15 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per setting."""
+    """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per number
+    of pairs at the trained length (where Zoology draws it; other lengths are in the table)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings, table = settings_of(rows), summary(rows)
+    trained, table = rows[0]["train_seq_len"], summary(rows)
+    settings = [(seq_len, pairs) for seq_len, pairs in settings_of(rows) if seq_len == trained] or settings_of(rows)
     mixers = list(dict.fromkeys(mixer for mixer, _ in table))
     fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings), 3.4), sharey=True, squeeze=False)
     for ax, (seq_len, pairs) in zip(axes[0], settings):
@@ -117,6 +126,7 @@ def plot(rows: list[dict], path: Path) -> None:
                             for (m, _), e in table.items() if m == mixer and (seq_len, pairs) in e["accuracy"])
             if points:
                 ax.plot(*zip(*points), marker="o", label=mixer)
+        ax.axhline(1 / pairs, color="gray", linestyle="--", linewidth=0.8, label="1/pairs")  # a guess among the values
         ax.set_xscale("log")
         ax.set_title(f"T={seq_len}, {pairs} pairs", fontsize=9)
         ax.set_xlabel("state bytes")

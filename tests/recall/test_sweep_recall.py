@@ -50,6 +50,10 @@ def test_trains_scores_tabulates_plots_and_resumes(tmp_path):
     assert json.loads((out / "rows.json").read_text())["rows"] == rows
     assert {path: path.read_text() for path in out.glob("*/train.log")} == train_logs
 
+    other = sweep(out, "optim.lr=1e-3")  # another budget in the same folder: its old scores would pass for new
+    assert other.returncode == 1 and "holds a run made by another train command" in other.stderr, other.stderr
+    assert {path: path.read_text() for path in out.glob("*/train.log")} == train_logs
+
 
 def test_a_bad_config_is_refused_before_any_run(tmp_path):
     result = sweep(tmp_path / "sweep", "recall.num_pairs=16")  # 16 pairs need 64 tokens, seq_len is 32
