@@ -83,13 +83,13 @@ def test_impossible_settings_name_the_key():
     with pytest.raises(MQARSettingError, match="seq_len: 60 .* at least 4·num_pairs = 64"):
         check_mqar(vocab_size=256, seq_len=60, num_pairs=16, query_power=0.01)
     with pytest.raises(ConfigError, match="^train.seq_len: "):
-        load_run_config("configs/recall/softmax.yaml", ["recall.num_pairs=64", "train.seq_len=128"])
+        load_run_config("configs/recall/softmax.yaml", ["recall.num_pairs=16", "train.seq_len=60"])
     with pytest.raises(ConfigError, match="^recall.vocab_size: 32 gives 15 keys"):
-        load_run_config("configs/recall/softmax.yaml", ["recall.vocab_size=32"])
+        load_run_config("configs/recall/softmax.yaml", ["recall.vocab_size=32", "recall.num_pairs=16"])
     with pytest.raises(ConfigError, match="^recall.query_power: "):
         load_run_config("configs/recall/softmax.yaml", ["recall.query_power=0"])
     with pytest.raises(ConfigError, match="^model.vocab_size: 100 is smaller than recall.vocab_size 256"):
-        load_run_config("configs/recall/softmax.yaml", ["model.vocab_size=100"])
+        load_run_config("configs/recall/softmax.yaml", ["model.vocab_size=100", "recall.vocab_size=256"])
     with pytest.raises(ConfigError, match="^parallel.sequence_parallel: .*task recall trains whole rows"):
         load_run_config("configs/recall/softmax.yaml", ["parallel.sequence_parallel=2"])
     cfg = load_run_config("configs/recall/softmax.yaml", [])
@@ -130,3 +130,24 @@ def test_a_copying_model_recalls_everything_and_a_random_one_is_at_chance():
     chance, spread = 1 / 64, 4 * (1 / 64 * 63 / 64 / answers) ** 0.5  # 4 standard deviations of the binomial
     assert abs(correct / answers - chance) < spread
     assert nll / answers > np.log(64)  # random logits are worse than uniform ones
+
+
+@pytest.mark.parametrize("override, key", [("recall.num_pair=4", "recall.num_pair: unknown key"),
+                                           ("recall.vocab_size=16", "recall.vocab_size: 16 gives 7 keys"),
+                                           ("recall.num_pairs=20", "train.seq_len: 64 holds the 20 pairs")])
+def test_the_launcher_refuses_a_bad_recall_key_naming_it(tmp_path, override, key):
+    """launch/pretrain.py loads through load_run_config, so check_recall_config runs before any work: one line, exit
+    2, no run directory."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run_dir = tmp_path / "run"
+    result = subprocess.run([sys.executable, "launch/pretrain.py", "--config", "configs/recall/softmax.yaml",
+                             f"run.dir={run_dir}", override], cwd=repo, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {key}"), result.stderr
+    assert not run_dir.exists()
