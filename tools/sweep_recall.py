@@ -1,8 +1,8 @@
 """MQAR across mixers, widths and seeds: one recall run per setting, each scored by eval_recall, one table and plot.
 
-    python tools/sweep_recall.py --configs configs/recall/*.yaml --widths 64 128 --seeds 0 1 --out runs/recall_sweep \\
-        --pairs 4 8 16 32 --seq-lens 128 256 --json benchmarks/recall_mqar.json --plot benchmarks/recall_mqar.png \\
-        train.max_steps=400
+    python tools/sweep_recall.py --configs configs/recall/*.yaml --widths 32 64 --seeds 0 1 --out runs/recall_sweep \\
+        --pairs 4 8 16 --seq-lens 64 128 256 --json benchmarks/recall_mqar.json --plot benchmarks/recall_mqar.png \\
+        train.max_steps=600
 
 Every run gets the same overrides (the budget), plus its width (``model.dim``) and seed (``run.seed``), so only the
 configs' own keys differ. Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python),
