@@ -31,7 +31,14 @@ import torch
 
 from pretrain.data.augment import eval_transform, normalize, train_transform
 from pretrain.data.images import IMAGE_EXTENSIONS
-from pretrain.data.shards import ShardError, expand_shards, iter_samples, load_manifest, recorded_checksums
+from pretrain.data.shards import (
+    ShardError,
+    expand_shards,
+    is_streamed,
+    iter_samples,
+    load_manifest,
+    recorded_checksums,
+)
 from pretrain.data.stream import Position, ShardStream, Skips, StreamLoader, check_at_least, check_split
 
 SHUFFLE_WINDOW = 5000  # images: one shard of make_image_shards' default size
@@ -112,7 +119,7 @@ class _ImageStream(ShardStream):
 def image_classes(urls: list[str]) -> list[str]:
     """The class names of image shards, from the ``manifest.json`` of their directories (which must agree)."""
     classes, source = None, None
-    for directory in sorted({os.path.dirname(u) or "." for u in urls if not u.startswith("pipe:")}):
+    for directory in sorted({os.path.dirname(u) or "." for u in urls if not is_streamed(u)}):
         manifest = load_manifest(directory)
         path = os.path.join(directory, "manifest.json")
         found = manifest.get("classes")

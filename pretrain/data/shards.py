@@ -12,8 +12,10 @@ readers that know it (``recorded_checksums``) also catch damage inside the data.
 
 Shard patterns use webdataset's brace expansion (``DIR/shard-{000000..000099}.tar``; ``::`` joins patterns) and
 globs; a directory stands for the shards its ``manifest.json`` lists. A brace range may run past the last shard
-(files missing after the last existing one are ignored), but a gap is an error. ``pipe:CMD`` URLs run a shell
-command and are refused unless ``allow_pipe`` is set.
+(files missing after the last existing one are ignored), but a gap is an error. Streamed URLs are opened by
+webdataset's ``gopen``: ``http(s)://HOST/shard-{000..999}.tar`` downloads (through curl; every expanded name must
+exist, a 404 is an error naming the URL), and ``pipe:CMD`` runs a shell command, refused unless ``allow_pipe`` is
+set. A streamed shard is read whole and checked as strictly as a local one.
 """
 import glob
 import gzip
@@ -22,10 +24,10 @@ import io
 import json
 import os
 import re
-import subprocess
 import tarfile
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
@@ -37,6 +39,11 @@ MANIFEST = "manifest.json"
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _FILE_TYPES, _NAME_TYPES, _SKIPPED_TYPES = b"0\0", b"Lx", b"5g"  # regular files; long names; dirs, global pax
+STREAMED = ("pipe:", "http://", "https://")
+# curl's exit statuses a download meets (gopen fetches http(s) through curl -f)
+_CURL_FAILURES = {6: "unknown host", 7: "cannot connect to the server", 18: "the download ended early",
+                  22: "the server answered with an HTTP error (404: no such shard)", 28: "the download timed out",
+                  56: "the connection broke off"}
 
 
 class ShardError(ValueError):
@@ -97,6 +104,12 @@ def _brace_expand(pattern: str) -> list[str]:
     return [f"{prefix}{i:0{width}d}{suffix}" for i in range(int(first), int(last) + step, step)]
 
 
+def is_streamed(url: str) -> bool:
+    """A shard read as a stream (a download, a command's output), not a file: not checked to exist up front, and
+    without a manifest at hand."""
+    return url.startswith(STREAMED)
+
+
 def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
     """The shard URLs a pattern names, checked to exist (local paths) and in pattern order."""
     if not isinstance(pattern, str) or not pattern.strip():
@@ -106,28 +119,28 @@ def expand_shards(pattern: str, *, allow_pipe: bool = False) -> list[str]:
         if url.startswith("pipe:"):
             if not allow_pipe:
                 raise ShardError(f"shard URL {url!r} runs a shell command; set allow_pipe to allow pipe: URLs")
-        elif "://" in url:
-            raise ShardError(f"shard URL {url!r}: only local paths and pipe: URLs are supported")
-        urls.append(url.removeprefix("file:"))
+        elif "://" in url and not is_streamed(url) and not url.startswith("file://"):
+            raise ShardError(f"shard URL {url!r}: only local paths, http(s):// and pipe: URLs are supported")
+        urls.append(url.removeprefix("file://").removeprefix("file:"))
     if len(urls) == 1 and os.path.isdir(urls[0]):
         urls = [os.path.join(urls[0], f["name"]) for f in load_manifest(urls[0])["files"]]
     elif glob.has_magic(pattern):
         urls = [m for u in urls for m in (sorted(glob.glob(u)) or [u])]
-    local = [u for u in urls if not u.startswith("pipe:")]
+    local = [u for u in urls if not is_streamed(u)]
     if not local:
         return urls
     if len(local) == len(urls):
         return _existing_prefix(urls, pattern)
     kept = set(_existing_prefix(local, pattern))
-    return [u for u in urls if u.startswith("pipe:") or u in kept]
+    return [u for u in urls if is_streamed(u) or u in kept]
 
 
 def recorded_checksums(urls: list[str]) -> dict[str, str]:
-    """sha256 of each local shard as its directory's manifest records it (pipe: and unlisted shards have none)."""
+    """sha256 of each local shard as its directory's manifest records it (streamed and unlisted shards have none)."""
     listed: dict[str, dict] = {}
     checksums = {}
     for url in urls:
-        if url.startswith("pipe:"):
+        if is_streamed(url):
             continue
         directory, name = os.path.split(url)
         if directory not in listed:
@@ -140,37 +153,57 @@ def recorded_checksums(urls: list[str]) -> dict[str, str]:
     return checksums
 
 
+def verify_shards(urls: list[str], *, report: Callable[[str], None] | None = None, every: float = 10.0) -> str:
+    """Hash every local shard against the sha256 its manifest records, so a corrupt shard is found before a run
+    meets it at step 1500; ``report`` gets a progress line every ``every`` seconds. Streamed shards (``pipe:``,
+    ``http(s)://``) are checked as they are read instead. Returns a summary; ``ShardError`` names each bad shard."""
+    checksums = recorded_checksums(urls)
+    local = [u for u in urls if not is_streamed(u)]
+    bad, done_bytes, last = [], 0, time.monotonic()
+    for i, url in enumerate(local):
+        if url not in checksums:
+            bad.append(f"{url} (its manifest records no sha256)")
+        else:
+            with open(url, "rb") as f:
+                if hashlib.file_digest(f, "sha256").hexdigest() != checksums[url]:
+                    bad.append(f"{url} (sha256 differs from its manifest's)")
+            done_bytes += os.path.getsize(url)
+        if report is not None and time.monotonic() - last >= every:
+            report(f"verified {i + 1}/{len(local)} shards ({done_bytes / 1e9:.2f} GB)")
+            last = time.monotonic()
+    if bad:
+        raise ShardError(f"{len(bad)} of {len(local)} shards fail verification: {'; '.join(bad)}; rewrite them "
+                         "with make_shards.py, or leave them out of the pattern")
+    streamed = len(urls) - len(local)
+    return f"{len(local)} shards match their manifest's sha256" + (
+        f" ({streamed} streamed shards are checked as they are read)" if streamed else "")
+
+
 # ---------------------------------------------------------------- reading
 
-class _Pipe(io.RawIOBase):
-    """stdout of a shell command; a non-zero exit is an error naming the command."""
-
-    def __init__(self, command: str):
-        self.command = command
-        self.proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=1 << 20)
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        return self.proc.stdout.readinto(buffer)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.proc.stdout.close()
-            if self.proc.wait() != 0:
-                super().close()
-                raise ShardError(f"pipe:{self.command} exited with status {self.proc.returncode}")
-        super().close()
-
-
-def _open(url: str) -> io.BufferedIOBase:
+def _read_whole(url: str) -> bytes:
+    """The bytes of a shard; streamed ones through webdataset's ``gopen`` (imported only for them: it imports
+    torch). A failed command or download is a ``ShardError`` naming the URL and the cause."""
     try:
-        if url.startswith("pipe:"):
-            return io.BufferedReader(_Pipe(url[len("pipe:"):]), 1 << 20)
-        return open(url, "rb", buffering=1 << 20)
+        if not is_streamed(url):
+            with open(url, "rb", buffering=1 << 20) as f:
+                return f.read()
+        from webdataset.gopen import gopen
+
+        stream = gopen(url, "rb", bufsize=1 << 20)
     except OSError as err:
         raise ShardError(f"cannot open shard {url}: {err}") from None
+    try:
+        with stream:
+            return stream.read()
+    except OSError as err:
+        status = getattr(stream, "status", None)
+        if status is None:
+            raise ShardError(f"cannot read shard {url}: {err}") from None
+        if url.startswith("pipe:"):
+            raise ShardError(f"{url} exited with status {status}") from None
+        cause = _CURL_FAILURES.get(status, "the download failed")
+        raise ShardError(f"cannot fetch shard {url}: {cause} (curl exit status {status})") from None
 
 
 def _octal(field: bytes, url: str, offset: int) -> int:
@@ -208,12 +241,11 @@ def _long_name(kind: int, data: bytes) -> bytes | None:
 def iter_members(url: str, sha256: str | None = None) -> Iterator[tuple[str, bytes]]:
     """(name, data) of each regular file in the tar (or .tar.gz) at ``url``, the whole of it read and checked first
     (against ``sha256`` of the file, when given)."""
-    with _open(url) as stream:
-        try:
-            raw = stream.read()
-            buf = gzip.decompress(raw) if url.endswith(".gz") else raw
-        except (OSError, EOFError, zlib.error) as err:
-            raise ShardError(f"cannot read shard {url}: {err}") from None
+    raw = _read_whole(url)
+    try:
+        buf = gzip.decompress(raw) if url.endswith(".gz") else raw
+    except (OSError, EOFError, zlib.error) as err:
+        raise ShardError(f"cannot read shard {url}: {err}") from None
     if not buf:
         raise ShardError(f"shard {url} is empty")
     members, headers, offset, long_name = [], [], 0, None

@@ -4,7 +4,7 @@ Sample format (key = the document's index in the whole set, 10 digits):
 - ``KEY.tokens.u16`` or ``KEY.tokens.u32``: the token ids, **``eos`` appended**, as raw little-endian unsigned
   integers (``u16`` when the vocabulary has at most 65536 ids, else ``u32``); the extension names the dtype.
 - ``KEY.json``: ``{"num_bytes": N, "tokenizer_sha256": "..."}``: the UTF-8 byte length of the document's text (for
-  bits per byte) and the tokenizer's identity, so that shards read through ``pipe:`` can be checked too.
+  bits per byte) and the tokenizer's identity, so that streamed shards (``pipe:``, ``http(s)://``) can be checked too.
 
 ``DIR/manifest.json`` holds ``shards`` (count), ``documents``, ``tokens`` (eos included), ``bytes``,
 ``tokenizer_sha256``, ``vocab_size``, ``eos_id``, ``token_dtype``, the input files and the document rule, and
@@ -28,6 +28,7 @@ from pretrain.data.shards import (
     ShardWriter,
     expand_shards,
     fresh_output_dir,
+    is_streamed,
     iter_samples,
     load_manifest,
     recorded_checksums,
@@ -88,12 +89,13 @@ def iter_shard_tokens(url: str, sha256: str | None = None, tokenizer_sha256: str
 def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
     """Refuse local shards whose manifest records another tokenizer (or none), before any reading starts.
 
-    ``pipe:`` shards have no manifest at hand; ``iter_shard_tokens`` checks each as it is read.
+    Streamed shards (``pipe:``, ``http(s)://``) have no manifest at hand; ``iter_shard_tokens`` checks each as it
+    is read.
     """
     checked: set[str] = set()
     for url in urls:
         directory = os.path.dirname(url) or "."
-        if url.startswith("pipe:") or directory in checked:
+        if is_streamed(url) or directory in checked:
             continue
         checked.add(directory)
         try:

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretrain.attention import REGISTRY, build_mixer, mixer_options
 from pretrain.config import VISION_STAGES, ConfigError, load_config, require
 from pretrain.data import Tokenizer
-from pretrain.data.shards import ShardError, load_manifest
+from pretrain.data.shards import ShardError, is_streamed, load_manifest
 from pretrain.models.lm import mixer_kwargs
 from pretrain.models.vision import build_vision_model, stage_options
 from pretrain.tasks.recall import check_recall_config
@@ -157,7 +157,7 @@ def _manifest_classes(train_shards: str) -> list[str] | None:
 def _resolve_num_classes(cfg: DictConfig) -> None:
     """``vision.num_classes: 0`` → the number of classes the training shards' manifest lists; an explicit number
     smaller than that list is refused (labels would fall outside the head)."""
-    classes = None if cfg.data.train_shards.startswith("pipe:") else _manifest_classes(cfg.data.train_shards)
+    classes = None if is_streamed(cfg.data.train_shards) else _manifest_classes(cfg.data.train_shards)
     if cfg.vision.num_classes == 0:
         if not classes:
             raise ConfigError("data.train_shards", f"no manifest.json with 'classes' beside {cfg.data.train_shards} "
