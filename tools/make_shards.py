@@ -2,7 +2,9 @@
 """Write webdataset shards: pre-tokenized text documents, or labelled images.
 
   text    one document per sample: its token ids with eos appended (tokens.u16/.u32) and its UTF-8 byte length
-          (json); a .jsonl record is a document, .txt files are cut by --txt-docs.
+          (json); a .jsonl record or a .parquet row (its text column) is a document, .txt files are cut by
+          --txt-docs; .txt and .jsonl may be .gz or .zst (the Pile's .jsonl.zst). .zst and .parquet need the
+          extra `formats` (pip install -e .[formats]).
   images  one image per sample (jpg/png bytes unchanged, and cls) from an ImageFolder directory or a tar of one.
   verify  every shard's sha256 against its manifest, before a run meets a corrupt shard at step 1500.
 
@@ -33,7 +35,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     kinds = parser.add_subparsers(dest="kind", required=True)
     text = kinds.add_parser("text", help="pre-tokenized text documents", formatter_class=HelpFormatter)
-    text.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_GLOB", help=".txt/.jsonl[.gz] files")
+    text.add_argument("--input", nargs="+", required=True, metavar="FILE_OR_GLOB",
+                      help=".txt/.jsonl[.gz|.zst] or .parquet files")
     text.add_argument("--tokenizer", required=True, metavar="PREFIX.model", help="a sentencepiece model")
     text.add_argument("--out", required=True, metavar="DIR", help="a new or empty directory")
     text.add_argument("--docs-per-shard", type=int, default=10_000,
@@ -66,7 +69,7 @@ def main() -> int:
             manifest = make_image_shards(args.input, args.out, split=args.split,
                                          images_per_shard=args.images_per_shard, seed=args.seed, progress=True)
             summary = f"{manifest['images']} images in {len(manifest['classes'])} classes"
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {manifest['shards']} shards to {args.out}: {summary} in {time.time() - start:.1f} s")

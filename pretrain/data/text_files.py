@@ -1,7 +1,10 @@
-"""Raw text inputs → documents: `.txt`, `.jsonl` (field `text`) and `.gz` of either, strictly UTF-8.
+"""Raw text inputs → documents: `.txt`, `.jsonl` (field `text`), either compressed as `.gz` or `.zst` (the Pile's
+`.jsonl.zst`), and `.parquet` with a string column `text` (FineWeb's); strictly UTF-8. `.zst` needs zstandard and
+`.parquet` pyarrow, the optional extra `formats` (`pip install -e .[formats]`); a missing one is named up front.
 
 Document boundaries:
 - `.jsonl`: one record is one document (records with empty `text` are skipped).
+- `.parquet`: one row is one document (rows with empty `text` are skipped).
 - `.txt`: chosen by `txt_docs`:
   - ``"paragraphs"`` (default): maximal runs of non-blank lines; blank (whitespace-only) lines separate documents.
   - ``"wikitext"``: a WikiText article heading starts a new document: a line ``" = Title = "`` with exactly one
@@ -14,6 +17,8 @@ Lines are split at ``\\n`` only, so ``\\r``, form feeds and the like stay in the
 """
 import glob
 import gzip
+import importlib
+import io
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -21,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from tqdm import tqdm
 
 TXT_DOC_RULES = ("paragraphs", "wikitext", "file")
+COMPRESSIONS = {".gz": None, ".zst": "zstandard"}  # suffix → the optional module that reads it
+FORMATS_EXTRA = "pip install -e .[formats]"
 
 
 def expand_inputs(patterns: Iterable[str]) -> list[str]:
@@ -33,7 +40,7 @@ def expand_inputs(patterns: Iterable[str]) -> list[str]:
         for path in matches:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"input file {path!r} does not exist")
-            input_kind(path)
+            _needed_module(path)
             paths.append(path)
     if not paths:
         raise ValueError("no input files given")
@@ -41,18 +48,41 @@ def expand_inputs(patterns: Iterable[str]) -> list[str]:
 
 
 def input_kind(path: str) -> str:
-    """``"txt"`` or ``"jsonl"``, from the name (a ``.gz`` suffix is looked through)."""
-    name = path[:-3] if path.endswith(".gz") else path
+    """``"txt"``, ``"jsonl"`` or ``"parquet"``, from the name (a ``.gz`` or ``.zst`` suffix is looked through)."""
+    if path.endswith(".parquet"):
+        return "parquet"
+    suffix = os.path.splitext(path)[1]
+    name = path.removesuffix(suffix) if suffix in COMPRESSIONS else path
     for kind in ("txt", "jsonl"):
         if name.endswith("." + kind):
             return kind
-    raise ValueError(f"input file {path!r}: unsupported type; expected .txt, .jsonl, or .gz of either")
+    raise ValueError(f"input file {path!r}: unsupported type; expected .txt or .jsonl (either may be .gz or .zst), "
+                     "or .parquet")
+
+
+def _needed_module(path: str):
+    """The optional module reading ``path`` needs (None: none), imported; missing, an error naming the extra."""
+    name = "pyarrow.parquet" if input_kind(path) == "parquet" else COMPRESSIONS.get(os.path.splitext(path)[1])
+    if name is None:
+        return None
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ImportError(f"input file {path!r} needs the {name.split('.')[0]} package: {FORMATS_EXTRA}") from None
+
+
+def _decompressed(raw: io.BufferedReader, path: str):
+    if path.endswith(".gz"):
+        return gzip.open(raw)
+    if path.endswith(".zst"):
+        return io.BufferedReader(_needed_module(path).ZstdDecompressor().stream_reader(raw))
+    return raw
 
 
 def _lines(path: str, progress: tqdm | None) -> Iterator[str]:
     """Lines of a file (``\\n`` kept), decoded strictly; invalid UTF-8 is an error naming file, line and byte."""
     with open(path, "rb") as raw:
-        stream = gzip.open(raw) if path.endswith(".gz") else raw
+        stream = _decompressed(raw, path)
         done = 0
         for number, line in enumerate(stream, start=1):
             try:
@@ -143,6 +173,27 @@ def _jsonl_documents(lines: Iterable[str], path: str) -> Iterator[str]:
             yield record["text"]
 
 
+def _parquet_documents(path: str, progress: tqdm) -> Iterator[str]:
+    """The ``text`` column, row by row, read a batch of rows at a time (FineWeb's files hold ~1M rows)."""
+    parquet = _needed_module(path)
+    try:
+        table = parquet.ParquetFile(path)
+    except Exception as err:  # pyarrow raises its own ArrowInvalid for a file that is not parquet
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    schema = table.schema_arrow
+    if "text" not in schema.names or str(schema.field("text").type) not in ("string", "large_string", "string_view"):
+        raise ValueError(f"{path}: expected a string column 'text' (columns: {', '.join(schema.names)})")
+    rows, total, size = 0, max(table.metadata.num_rows, 1), os.path.getsize(path)
+    for batch in table.iter_batches(batch_size=4096, columns=["text"]):
+        for text in batch.column(0).to_pylist():
+            rows += 1
+            if text is None:
+                raise ValueError(f"{path}: row {rows}: 'text' is null")
+            if text:
+                yield text
+        progress.update(size * rows // total - size * (rows - batch.num_rows) // total)
+
+
 def read_text_documents(paths: Iterable[str], *, txt_docs: str = "paragraphs",
                         progress: bool = False) -> Iterator[str]:
     """Documents of the given files in order; ``progress`` shows a bar over the files' (on-disk) bytes."""
@@ -153,8 +204,10 @@ def read_text_documents(paths: Iterable[str], *, txt_docs: str = "paragraphs",
                desc="reading", disable=not progress)
     with bar:
         for path in paths:
-            lines = _lines(path, bar)
-            if input_kind(path) == "jsonl":
-                yield from _jsonl_documents(lines, path)
+            kind = input_kind(path)
+            if kind == "parquet":
+                yield from _parquet_documents(path, bar)
+            elif kind == "jsonl":
+                yield from _jsonl_documents(_lines(path, bar), path)
             else:
-                yield from _txt_documents(lines, txt_docs)
+                yield from _txt_documents(_lines(path, bar), txt_docs)
