@@ -59,6 +59,7 @@ class DataConfig:
     shuffle_buffer: int = 1000
     num_workers: int = 1
     skip_corrupt: bool = False  # true: a corrupt shard mid-run is logged, counted, skipped
+    verify_shards: bool = False  # true: every training shard's sha256 against its manifest before step 1
 
 
 @dataclass

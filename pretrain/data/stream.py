@@ -178,6 +178,11 @@ class StreamLoader:
         return self._stream.epoch_shards(epoch)
 
     @property
+    def shard_urls(self) -> tuple[str, ...]:
+        """Every shard of the stream, whichever rank reads it."""
+        return self._stream.urls
+
+    @property
     def epoch(self) -> int:
         """Finished epochs (the epoch of the next sample)."""
         return self._cursor.epoch

@@ -3,13 +3,15 @@
 A task is built on one rank as ``SomeTask(cfg, world)``, opening its data (a bad path is a ``ConfigError`` naming
 the key). ``Task`` below is the contract, checked for every task by ``tests/train/test_tasks.py``.
 """
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from pretrain.data.shards import verify_shards
 from pretrain.models import build_lm, build_vision_model
 
 
@@ -61,6 +63,19 @@ def build_task(cfg: DictConfig, world) -> Task:
     from .lm import LMTask
 
     return LMTask(cfg, world)
+
+
+def verify_training_shards(urls: Sequence[str], world) -> None:
+    """``data.verify_shards``: before step 1, each rank hashes its share of the shards against their manifests, so
+    a corrupt one is a ``ShardError`` naming it now rather than at step 1500; rank 0 reports its progress."""
+    say = functools.partial(print, flush=True) if world.rank == 0 else None
+    if say:
+        say(f"verifying the sha256 of {len(urls)} training shards against their manifests (data.verify_shards, "
+            f"{world.world_size} ranks sharing the work)")
+    summary = verify_shards(list(urls[world.rank::world.world_size]),
+                            report=say and (lambda line: say(f"rank 0: {line}")))
+    if say:
+        say(f"rank 0: {summary}")
 
 
 def build_model(cfg: DictConfig) -> nn.Module:

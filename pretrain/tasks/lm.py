@@ -12,7 +12,7 @@ from pretrain.data import Tokenizer, TokenLoader
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import read_shard_documents
 
-from . import build_model
+from . import build_model, verify_training_shards
 from .lm_scoring import IGNORE, batch_nll, score_documents
 
 
@@ -33,6 +33,8 @@ class LMTask:
                                       tokenizer_sha256=self.tokenizer.sha256)
         except (OSError, ValueError) as err:
             raise ConfigError("data.train_shards", str(err)) from None
+        if cfg.data.verify_shards:
+            verify_training_shards(self.loader.shard_urls, world)
         try:
             self.val_urls = (expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe)
                              if cfg.data.val_shards else [])

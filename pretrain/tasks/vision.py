@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from pretrain.config import ConfigError
 from pretrain.distributed.lockstep import until_every_rank_is_done
 
-from . import build_model
+from . import build_model, verify_training_shards
 
 
 def smoothed_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
@@ -76,6 +76,8 @@ class VisionTask:
                                       hflip=a.hflip, allow_pipe=d.allow_pipe, skip_corrupt=d.skip_corrupt)
         except (OSError, ValueError) as err:
             raise ConfigError("data.train_shards", str(err)) from None
+        if d.verify_shards:
+            verify_training_shards(self.loader.shard_urls, world)
         self.val_loader = None
         if d.val_shards:
             try:
