@@ -7,6 +7,7 @@ import importlib
 
 _HOMES = {
     "TokenLoader": "pretrain.data.loader",
+    "MixtureLoader": "pretrain.data.loader",
     "ImageLoader": "pretrain.data.image_loader",
     "ShardError": "pretrain.data.shards",
     "Document": "pretrain.data.text_shards",

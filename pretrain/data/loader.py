@@ -17,8 +17,9 @@ training; ranks merely roll over at different steps. With ``epochs=N`` the strea
 tokens that do not fill a batch are dropped; ranks may then yield different numbers of batches (their shards differ
 in size), so a distributed loop should stop all ranks together, e.g. on a step budget.
 """
+import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,44 +55,51 @@ class _Stream(ShardStream):
             yield tokens[offset:], _Cursor(*at, offset)
 
     def batches(self, start: _Cursor, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
-        rows, length = self.batch_size, self.seq_len
-        span = rows * length  # tokens a batch consumes; it also reads the next one, as the last label
-        pending: deque[tuple[np.ndarray, _Cursor]] = deque()
-        available, k, skips = 0, 0, Skips(log=worker == 0)
-        for tokens, cursor in self.documents(start, skips):
-            if len(tokens) == 0:
-                continue
-            pending.append((tokens, cursor))
-            available += len(tokens)
-            while available > span:
-                pieces, starts, taken = [], [], 0
-                while taken < span:
-                    tokens, cursor = pending[0]
-                    if cursor.token == 0:
-                        starts.append(taken)
-                    use = min(len(tokens), span - taken)
-                    pieces.append(tokens[:use])
-                    if use == len(tokens):
-                        pending.popleft()
-                    else:
-                        pending[0] = (tokens[use:], cursor._replace(token=cursor.token + use))
-                    taken += use
-                available -= span
-                if k % num_workers == worker:
-                    pieces.append(pending[0][0][:1])
-                    yield self._assemble(np.concatenate(pieces), starts), tuple(pending[0][1]), skips.count
-                k += 1
+        skips = Skips(log=worker == 0)
+        return _packed(self.documents(start, skips), skips, self.batch_size, self.seq_len, worker, num_workers)
 
-    def _assemble(self, flat: np.ndarray, starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The batch's ``B*L + 1`` tokens and its position ids, as numpy arrays: they pass between processes several
-        times faster than torch tensors, and the inputs and labels, overlapping views of one array, pass once."""
-        rows, length = self.batch_size, self.seq_len
-        is_start = np.zeros(rows * length, dtype=bool)
-        is_start[starts] = True
-        is_start[::length] = True
-        index = np.arange(rows * length)
-        positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
-        return flat.astype(np.int64), positions.reshape(rows, length)
+
+def _packed(documents: Iterator[tuple[np.ndarray, NamedTuple]], skips: Skips, rows: int, length: int, worker: int,
+            num_workers: int) -> Iterator[tuple[tuple, tuple, int]]:
+    """(batch, cursor after it, shards skipped so far) of the batches k ≡ worker (mod num_workers) packed from
+    ``documents``, (tokens from the cursor on, cursor of their first token) whose cursor has a ``token`` field."""
+    span = rows * length  # tokens a batch consumes; it also reads the next one, as the last label
+    pending: deque[tuple[np.ndarray, NamedTuple]] = deque()
+    available, k = 0, 0
+    for tokens, cursor in documents:
+        if len(tokens) == 0:
+            continue
+        pending.append((tokens, cursor))
+        available += len(tokens)
+        while available > span:
+            pieces, starts, taken = [], [], 0
+            while taken < span:
+                tokens, cursor = pending[0]
+                if cursor.token == 0:
+                    starts.append(taken)
+                use = min(len(tokens), span - taken)
+                pieces.append(tokens[:use])
+                if use == len(tokens):
+                    pending.popleft()
+                else:
+                    pending[0] = (tokens[use:], cursor._replace(token=cursor.token + use))
+                taken += use
+            available -= span
+            if k % num_workers == worker:
+                pieces.append(pending[0][0][:1])
+                yield _assemble(np.concatenate(pieces), starts, rows, length), tuple(pending[0][1]), skips.count
+            k += 1
+
+
+def _assemble(flat: np.ndarray, starts: list[int], rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's ``B*L + 1`` tokens and its position ids, as numpy arrays: they pass between processes several
+    times faster than torch tensors, and the inputs and labels, overlapping views of one array, pass once."""
+    is_start = np.zeros(rows * length, dtype=bool)
+    is_start[starts] = True
+    is_start[::length] = True
+    index = np.arange(rows * length)
+    positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
+    return flat.astype(np.int64), positions.reshape(rows, length)
 
 
 class TokenLoader(StreamLoader):
@@ -121,3 +129,107 @@ class TokenLoader(StreamLoader):
             yield {"input_ids": torch.from_numpy(tokens[:-1].reshape(shape)),
                    "labels": torch.from_numpy(tokens[1:].reshape(shape).copy()),
                    "position_ids": torch.from_numpy(positions)}
+
+
+class _MixCursor(NamedTuple):
+    epoch: int      # the fewest epochs any source has finished
+    draws: int      # the mixed stream's document index (the draw that chose its source)
+    token: int      # offset in that document
+    sources: tuple  # per source: (epoch, shard, index) of its next document, then documents and tokens it gave
+
+
+DRAW_BLOCK = 4096  # draws made by one generator: a document's source costs ~10 ns, not a generator's ~10 µs
+
+
+@dataclass(frozen=True)
+class _Mixture:
+    """A mixture's logical stream: draw n picks source i with probability ``weights[i]``, from rng(seed, rank,
+    n // DRAW_BLOCK), and takes that source's next document; each source is its own rank stream (shard split,
+    shuffle windows, epochs), so a cursor holding every source's position and the draw count resumes exactly."""
+    sources: tuple[_Stream, ...]
+    weights: tuple[float, ...]  # sum to 1
+    rank: int
+    world_size: int
+    seed: int
+    shuffle: bool
+    shuffle_buffer: int
+    batch_size: int
+    seq_len: int
+    epochs = None  # every source cycles forever
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(url for source in self.sources for url in source.urls)
+
+    def epoch_shards(self, epoch: int) -> list[str]:
+        return [url for source in self.sources for url in source.epoch_shards(epoch)]
+
+    def draws(self, first: int) -> Iterator[int]:
+        """The source of every draw from ``first`` on."""
+        cdf = np.cumsum(self.weights)
+        cdf[-1] = 1.0
+        block, skip = divmod(first, DRAW_BLOCK)
+        while True:
+            u = np.random.default_rng([self.seed, self.rank, block, len(self.weights)]).random(DRAW_BLOCK)
+            yield from np.searchsorted(cdf, u, side="right")[skip:].tolist()
+            block, skip = block + 1, 0
+
+    def documents(self, start: _MixCursor, skips: Skips) -> Iterator[tuple[np.ndarray, _MixCursor]]:
+        streams = [source.samples(Position(*at[:3]), skips) for source, at in zip(self.sources, start.sources)]
+        heads = [next(stream) for stream in streams]  # (tokens, position) of each source's next document
+        taken = [list(at[3:]) for at in start.sources]
+        for n, i in enumerate(self.draws(start.draws), start=start.draws):
+            offset = start.token if n == start.draws else 0
+            where = tuple((*at, *count) for (_, at), count in zip(heads, taken))
+            yield heads[i][0][offset:], _MixCursor(min(at.epoch for _, at in heads), n, offset, where)
+            taken[i][0] += 1
+            taken[i][1] += len(heads[i][0])
+            heads[i] = next(streams[i])
+
+    def batches(self, start: _MixCursor, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
+        skips = Skips(log=worker == 0)
+        return _packed(self.documents(start, skips), skips, self.batch_size, self.seq_len, worker, num_workers)
+
+
+class MixtureLoader(TokenLoader):
+    """TokenLoader's batches packed from documents drawn from several sources by weight (a data mixture).
+
+    ``sources`` are ``(TokenLoader, weight)`` pairs, the loaders built for the same rank, world size, seed, shuffle,
+    ``seq_len`` and ``batch_size`` (only their streams are used; their ``epochs`` must be None: a mixture runs
+    forever). Draws are a pure function of (seed, rank, draw index), and ``state_dict()`` holds each source's
+    position, so the mixture resumes exactly with any ``num_workers``.
+    """
+
+    def __init__(self, sources: Sequence[tuple[TokenLoader, float]], *, num_workers: int = 0):
+        if not sources:
+            raise ValueError("sources: a mixture needs at least one (loader, weight)")
+        check_at_least(num_workers=(num_workers, 0))
+        streams = [loader._stream for loader, _ in sources]
+        first = streams[0]
+        for i, ((_, weight), stream) in enumerate(zip(sources, streams)):
+            if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
+                raise ValueError(f"sources[{i}] weight={weight!r}: expected a number > 0")
+            for key in ("rank", "world_size", "seed", "shuffle", "shuffle_buffer", "seq_len", "batch_size", "epochs"):
+                if getattr(stream, key) != getattr(first, key):
+                    raise ValueError(f"sources[{i}] {key}={getattr(stream, key)!r}, but sources[0] has "
+                                     f"{getattr(first, key)!r}: every source must be read alike")
+        if first.epochs is not None:
+            raise ValueError(f"epochs={first.epochs}: a mixture runs forever (epochs=None)")
+        StreamLoader.__init__(self, num_workers)
+        total = sum(weight for _, weight in sources)
+        self._stream = _Mixture(tuple(streams), tuple(weight / total for _, weight in sources), first.rank,
+                                first.world_size, first.seed, first.shuffle, first.shuffle_buffer, first.batch_size,
+                                first.seq_len)
+        self._cursor = _MixCursor(0, 0, 0, tuple((0, 0, 0, 0, 0) for _ in streams))
+
+    def source_counts(self) -> list[tuple[int, int]]:
+        """(documents, tokens) each source has given the batches so far on this rank (a document cut by the last
+        batch counts as given, with the tokens taken of it)."""
+        cursor = self._cursor
+        current = next(self._stream.draws(cursor.draws))
+        return [(documents + int(i == current and cursor.token > 0), tokens + (cursor.token if i == current else 0))
+                for i, (*_, documents, tokens) in enumerate(cursor.sources)]
+
+    def _stream_identity(self) -> dict:
+        return {**super()._stream_identity(), "weights": list(self._stream.weights),
+                "source_shards": [len(source.urls) for source in self._stream.sources]}

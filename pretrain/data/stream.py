@@ -141,6 +141,11 @@ class _WorkerShare(IterableDataset):
             yield _WorkerFailure(err)
 
 
+def _ints(value):
+    """A cursor field as saved (an int, or a tuple of them: a mixture's sources) back in Python ints."""
+    return tuple(_ints(v) for v in value) if isinstance(value, tuple | list) else int(value)
+
+
 def _as_is(item):
     return item
 
@@ -226,7 +231,7 @@ class StreamLoader:
                 raise ValueError(f"data loader state key {key!r} is {state[key]!r}, but this loader has {mine!r}: "
                                  "resuming would read a different stream")
         try:
-            self._cursor = self._cursor._make(int(state[k]) for k in self._cursor._fields)
+            self._cursor = self._cursor._make(_ints(state[k]) for k in self._cursor._fields)
             self.skipped_shards, self.batches = int(state["skipped_shards"]), int(state["batches"])
         except KeyError as err:
             raise ValueError(f"data loader state lacks key {err.args[0]!r}") from None

@@ -1,0 +1,86 @@
+"""MixtureLoader: documents drawn from several sources by weight, deterministic per rank and seed, resumed exactly."""
+import pickle
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.data import MixtureLoader, TokenLoader
+from pretrain.data.shards import ShardWriter, write_manifest
+
+OFFSET = 100_000  # source 1's tokens are source 0's ids plus this, so every token tells its source
+
+
+@pytest.fixture
+def sources(numbered_shards, tmp_path):
+    """(numbered_shards' directory, a small second source of 14 documents in 2 shards), so it cycles often."""
+    directory, docs = numbered_shards
+    small = tmp_path / "small"
+    small.mkdir()
+    writer = ShardWriter(str(small), samples_per_shard=7)
+    for i, tokens in enumerate(docs[:14]):
+        members = {"tokens.u32": (tokens + OFFSET).astype("<u4").tobytes(), "json": b'{"num_bytes":1}'}
+        writer.add(f"{i:010d}", members, tokens=len(tokens), bytes=len(tokens))
+    files = writer.close()
+    write_manifest(str(small), {"tokenizer_sha256": "0" * 64, "files": files, "shards": len(files)})
+    return directory, str(small)
+
+
+def mixture(sources, weights=(3.0, 1.0), num_workers=0, **settings):
+    settings = dict(dict(seq_len=8, batch_size=3, rank=1, world_size=2, shuffle_buffer=20, seed=7), **settings)
+    return MixtureLoader([(TokenLoader(pattern, **settings), w) for pattern, w in zip(sources, weights)],
+                         num_workers=num_workers)
+
+
+def tokens_of(batches) -> np.ndarray:
+    return np.concatenate([b["input_ids"].reshape(-1).numpy() for b in batches])
+
+
+@pytest.mark.parametrize("workers_before,workers_after,stop", [(0, 2, 5), (2, 1, 17), (1, 0, 31)])
+def test_mixture_resumes_exactly_with_any_number_of_workers(sources, workers_before, workers_after, stop):
+    reference_loader = mixture(sources)
+    reference = list(islice(reference_loader, 60))
+    assert reference_loader.state_dict()["sources"][1][0] >= 1  # the resumed stretch crosses its epoch boundary
+    first = mixture(sources, num_workers=workers_before)
+    head = list(islice(first, stop))
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    resumed = mixture(sources, num_workers=workers_after)
+    resumed.load_state_dict(state)
+    tail = list(islice(resumed, 60 - stop))
+    for got, want in zip(head + tail, reference, strict=True):
+        for key in ("input_ids", "labels", "position_ids"):
+            assert torch.equal(got[key], want[key]), key
+    assert resumed.state_dict() == reference_loader.state_dict()
+    assert resumed.source_counts() == reference_loader.source_counts()
+
+
+def test_documents_are_drawn_by_weight_and_counted_per_source(sources):
+    loader = mixture(sources, seq_len=64, batch_size=4, world_size=1, rank=0)
+    tokens = tokens_of(islice(loader, 50))
+    (docs0, tokens0), (docs1, tokens1) = loader.source_counts()
+    assert tokens0 + tokens1 == len(tokens) == 50 * 4 * 64  # every token an input once, counted once
+    assert tokens1 == int((tokens >= OFFSET).sum())
+    assert 0.19 < docs1 / (docs0 + docs1) < 0.31  # weight 1 of 4, over ~400 documents
+
+
+def test_draws_depend_on_rank_and_seed_only(sources):
+    def first_tokens(**settings):
+        return tokens_of(islice(mixture(sources, **settings), 10))
+
+    same = first_tokens()
+    assert np.array_equal(same, first_tokens(num_workers=2))
+    assert not np.array_equal(same, first_tokens(rank=0))
+    assert not np.array_equal(same, first_tokens(seed=8))
+    assert not np.array_equal(same, first_tokens(weights=(1.0, 3.0)))
+
+
+def test_bad_sources_and_foreign_states_are_refused(sources):
+    with pytest.raises(ValueError, match=r"sources\[1\] weight=0: expected a number > 0"):
+        mixture(sources, weights=(1.0, 0))
+    with pytest.raises(ValueError, match=r"sources\[1\] seed=8, but sources\[0\] has 7"):
+        MixtureLoader([(TokenLoader(sources[0], seq_len=8, batch_size=3, seed=7), 1.0),
+                       (TokenLoader(sources[1], seq_len=8, batch_size=3, seed=8), 1.0)])
+    state = mixture(sources).state_dict()
+    with pytest.raises(ValueError, match="'weights'"):
+        mixture(sources, weights=(1.0, 1.0)).load_state_dict(state)
