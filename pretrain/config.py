@@ -7,13 +7,14 @@ the key. It imports nothing of ours but the leaf ``pretrain.atomic`` (and not De
 model or the data (mixers that build, ``model.vocab_size`` from the tokenizer, ``vision.num_classes`` from the
 shards' manifest) live with the tasks, in ``pretrain.tasks.config_checks``, whose ``load_run_config`` runs both.
 """
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .atomic import atomic_path
@@ -53,7 +54,9 @@ class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps 
 @dataclass
 class DataConfig:
     tokenizer: str | None = MISSING  # PREFIX.model, a sentencepiece model (task lm; a vision run needs none)
-    train_shards: str | None = MISSING  # webdataset pattern, brace expansion ok (task recall generates its rows)
+    # a shard pattern (brace expansion, http(s):// ok), a list of patterns read as one, or a mixture (task lm): a list
+    # of {shards: PATTERN, weight: W > 0}, documents drawn by weight (task recall generates its rows: none)
+    train_shards: Any = MISSING
     val_shards: str | None = None
     allow_pipe: bool = False  # pipe: URLs run shell commands; refused unless true
     shuffle_buffer: int = 1000
@@ -309,10 +312,51 @@ def _validate(cfg: DictConfig) -> None:
     require(cfg, "deepspeed.offload_params", not ds.offload_params or ds.zero_stage == 3,
              "needs deepspeed.zero_stage 3")
 
-    for key in ("data.train_shards", "data.val_shards"):
-        shards = OmegaConf.select(cfg, key)
-        require(cfg, key, cfg.data.allow_pipe or not (shards or "").startswith("pipe:"),
-                 "pipe: URLs run shell commands; set data.allow_pipe=true to allow them")
+    for key, shards in [*_train_shard_patterns(cfg), ("data.val_shards", cfg.data.val_shards)]:
+        if not cfg.data.allow_pipe and (shards or "").startswith("pipe:"):
+            raise ConfigError(key, f"pipe: URLs run shell commands; set data.allow_pipe=true to allow them "
+                                   f"(got {shards!r})")
+
+
+def _train_shard_patterns(cfg: DictConfig) -> list[tuple[str, str | None]]:
+    """(key, pattern) of each pattern ``data.train_shards`` names, its form checked: one pattern, a list of them,
+    or a mixture's sources ``{shards, weight}`` (weights > 0), each fault named by its entry's key."""
+    key, value = "data.train_shards", cfg.data.train_shards
+    if value is None or isinstance(value, str):
+        return [(key, value)]
+    if not isinstance(value, ListConfig) or len(value) == 0:
+        raise ConfigError(key, f"expected a shard pattern, a list of patterns or a list of {{shards, weight}} "
+                               f"sources (got {value!r})")
+    require(cfg, key, cfg.task == "lm", f"task {cfg.task} reads one shard pattern (a string); lists need task lm")
+    if all(isinstance(entry, str) for entry in value):
+        return [(f"{key}[{i}]", entry) for i, entry in enumerate(value)]
+    patterns = []
+    for i, entry in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(entry, DictConfig):
+            raise ConfigError(where, f"expected {{shards: PATTERN, weight: NUMBER}}, as every entry of a mixture "
+                                     f"(got {entry!r})")
+        unknown = sorted(set(entry) - {"shards", "weight"})
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}", "unknown key (a source has shards and weight)")
+        shards, weight = entry.get("shards"), entry.get("weight")
+        if not isinstance(shards, str) or not shards.strip():
+            raise ConfigError(f"{where}.shards", f"expected a shard pattern (got {shards!r})")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not (math.isfinite(weight)
+                                                                                    and weight > 0):
+            raise ConfigError(f"{where}.weight", f"must be a number > 0 (got {weight!r})")
+        patterns.append((f"{where}.shards", shards))
+    return patterns
+
+
+def train_shard_sources(value: Any) -> str | list[tuple[str, float]] | None:
+    """A checked ``data.train_shards`` as the data layer takes it: one pattern (a list of patterns joined by
+    ``::``), or a mixture's (pattern, weight) sources."""
+    if value is None or isinstance(value, str):
+        return value
+    if all(isinstance(entry, str) for entry in value):
+        return "::".join(value)
+    return [(entry["shards"], float(entry["weight"])) for entry in value]
 
 
 def _validate_vision(cfg: DictConfig) -> None:

@@ -40,6 +40,10 @@ class Task(Protocol):
     def loss(self, model: nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, float]:
         """(summed loss as a 0-d fp32 tensor, how many units it sums over)."""
 
+    def train_metrics(self) -> dict[str, float]:
+        """``{"train/...": scalar}`` of the training data so far (a mixture's counts per source), reduced over
+        ranks; every rank calls it on logging steps."""
+
     def validate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """``{"val/...": scalar}`` over the validation data, reduced over ranks."""
 

@@ -5,10 +5,11 @@ Validation scores the validation shards' documents (round-robin over ranks) exac
 """
 import math
 
+import torch
 from omegaconf import DictConfig
 
-from pretrain.config import ConfigError
-from pretrain.data import Tokenizer, TokenLoader
+from pretrain.config import ConfigError, train_shard_sources
+from pretrain.data import MixtureLoader, Tokenizer, TokenLoader
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import read_shard_documents
 
@@ -25,14 +26,13 @@ class LMTask:
             self.tokenizer = Tokenizer(cfg.data.tokenizer)
         except (OSError, ValueError) as err:
             raise ConfigError("data.tokenizer", str(err)) from None
-        try:  # a missing, foreign or too small set of shards (ShardError is a ValueError)
-            self.loader = TokenLoader(cfg.data.train_shards, seq_len=t.seq_len, batch_size=t.micro_batch_size,
-                                      rank=world.data_rank, world_size=world.data_size, seed=cfg.run.seed,
-                                      num_workers=cfg.data.num_workers, shuffle_buffer=cfg.data.shuffle_buffer,
-                                      allow_pipe=cfg.data.allow_pipe, skip_corrupt=cfg.data.skip_corrupt,
-                                      tokenizer_sha256=self.tokenizer.sha256)
-        except (OSError, ValueError) as err:
-            raise ConfigError("data.train_shards", str(err)) from None
+        sources = train_shard_sources(cfg.data.train_shards)
+        if isinstance(sources, list):
+            self.loader = MixtureLoader([(self._open(f"data.train_shards[{i}].shards", pattern), weight)
+                                         for i, (pattern, weight) in enumerate(sources)],
+                                        num_workers=cfg.data.num_workers)
+        else:
+            self.loader = self._open("data.train_shards", sources)
         if cfg.data.verify_shards:
             verify_training_shards(self.loader.shard_urls, world)
         try:
@@ -43,6 +43,30 @@ class LMTask:
         self.sequence = world.sequence  # under sequence parallelism, the ranks of a group share rows
         share = 1 if self.sequence is None else self.sequence.size
         self.units_per_micro_batch = t.micro_batch_size * t.seq_len // share  # this rank's tokens
+
+    def _open(self, key: str, pattern: str) -> TokenLoader:
+        """This rank's stream of one shard pattern; a missing, foreign or too small set of shards is a
+        ``ConfigError`` naming ``key`` (ShardError is a ValueError)."""
+        cfg, t = self.cfg, self.cfg.train
+        try:
+            return TokenLoader(pattern, seq_len=t.seq_len, batch_size=t.micro_batch_size, rank=self.world.data_rank,
+                               world_size=self.world.data_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
+                               shuffle_buffer=cfg.data.shuffle_buffer, allow_pipe=cfg.data.allow_pipe,
+                               skip_corrupt=cfg.data.skip_corrupt, tokenizer_sha256=self.tokenizer.sha256)
+        except (OSError, ValueError) as err:
+            raise ConfigError(key, str(err)) from None
+
+    def train_metrics(self) -> dict[str, float]:
+        """A mixture's documents and tokens per source so far, summed over data-parallel replicas (a collective:
+        every rank calls it on logging steps)."""
+        if not isinstance(self.loader, MixtureLoader):
+            return {}
+        counts = torch.tensor(self.loader.source_counts(), dtype=torch.float64)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)
+            counts /= self.world.world_size // self.world.data_size  # the ranks of a sequence group share rows
+        return {f"train/source{i}_{what}": value for i, row in enumerate(counts.tolist())
+                for what, value in zip(("documents", "tokens"), row)}
 
     @property
     def epoch(self) -> int:

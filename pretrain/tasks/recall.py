@@ -87,6 +87,9 @@ class RecallTask:
     def loss(self, model, batch, device):
         return batch_nll(model, batch, device)
 
+    def train_metrics(self) -> dict[str, float]:
+        return {}
+
     def validate(self, model, device) -> dict[str, float]:
         """Accuracy and mean NLL over ``log.val_batches`` batches per rank of the validation rows."""
         rows = self.stream("val", self.cfg.run.seed, rank=self.world.data_rank, world_size=self.world.data_size)

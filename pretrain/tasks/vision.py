@@ -98,6 +98,9 @@ class VisionTask:
     def has_validation(self) -> bool:
         return self.val_loader is not None
 
+    def train_metrics(self) -> dict[str, float]:
+        return {}
+
     def build_model(self):
         return build_model(self.cfg)
 

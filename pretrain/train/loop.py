@@ -221,7 +221,7 @@ class Trainer:
         values = {"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, **self.throughput.report(),
                   "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.task.epoch,
                   f"train/{self.task.unit}_seen": self.counters.units_seen,
-                  "train/nonfinite_skipped": self.counters.nonfinite_skipped}
+                  "train/nonfinite_skipped": self.counters.nonfinite_skipped, **self.task.train_metrics()}
         mfu = ""
         if self.peak_flops:
             values["train/mfu"] = values["train/flops_per_s_per_rank"] / self.peak_flops

@@ -63,7 +63,7 @@ def protocol_methods() -> dict[str, inspect.Signature]:
 
 def test_the_protocol_names_every_part_the_loop_uses():
     assert set(protocol_methods()) == {"build_model", "train_flops_per_unit", "batches", "loss", "validate",
-                                       "state_dict", "load_state_dict"}
+                                       "train_metrics", "state_dict", "load_state_dict"}
 
 
 def test_every_task_keeps_the_contract(task_cfg):
@@ -82,6 +82,7 @@ def test_every_task_keeps_the_contract(task_cfg):
     assert loss.dim() == 0 and loss.dtype == torch.float32 and torch.isfinite(loss) and count > 0
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(key.startswith("train/") for key in task.train_metrics())
 
     model.eval()
     figures = task.validate(model, CPU)
