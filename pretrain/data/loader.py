@@ -16,6 +16,9 @@ Epochs: with ``epochs=None`` every rank cycles forever, so an uneven split of sh
 training; ranks merely roll over at different steps. With ``epochs=N`` the stream ends after N epochs and the final
 tokens that do not fill a batch are dropped; ranks may then yield different numbers of batches (their shards differ
 in size), so a distributed loop should stop all ranks together, e.g. on a step budget.
+
+Mixtures (``MixtureLoader``): several such streams, one per source, and a seeded draw per document choosing the
+source; the packing is the same, and the cursor holds every source's position and the draw count.
 """
 import math
 from collections import deque
