@@ -1,10 +1,13 @@
-"""Shared fixtures. `shared_data`: the real data sets in ../shared/data, skipping the test where they are absent.
+"""Shared fixtures. `shared_data`: the real data sets in ../shared/data, skipping the test where they are absent;
+`load_tool`: a script of tools/ as a module.
 
 Without a GPU, Triton kernels run under its CPU interpreter. ``TRITON_INTERPRET`` is read when Triton is first
 imported, and torch imports it on the way (``torch.utils.flop_counter`` does): so it is set here, before any test
 module is collected, not in the Triton tests themselves.
 """
+import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHARED_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +25,20 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real data not present at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """``load_tool("eval_ppl")``: tools/eval_ppl.py as a module. tools/ is not a package and its scripts import
+    each other by name (``import benchlib``), as they do when run, so tools/ goes on ``sys.path``."""
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

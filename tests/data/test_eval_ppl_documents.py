@@ -1,28 +1,18 @@
 """eval_ppl cuts a text file into the documents make_shards writes for it (issue 18, item 11): scoring a .txt and
 scoring the shards made from it see the same documents, tokens and bytes, so their perplexities agree."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pretrain.data import make_text_shards
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-eval_ppl = load_tool("eval_ppl")
+@pytest.fixture(scope="module")
+def eval_ppl(load_tool):
+    return load_tool("eval_ppl")
 
 
 @pytest.mark.parametrize("txt_docs", ["paragraphs", "file"])
-def test_a_txt_file_and_its_shards_give_eval_ppl_the_same_documents(corpus, tokenizer, tmp_path, txt_docs):
+def test_a_txt_file_and_its_shards_give_eval_ppl_the_same_documents(corpus, tokenizer, tmp_path, txt_docs, eval_ppl):
     txt, documents = corpus[0][0], corpus[1][:150]  # a.txt: 150 documents, one paragraph each
     make_text_shards([txt], tokenizer.path, str(tmp_path / "shards"), docs_per_shard=40, txt_docs=txt_docs)
     from_text = list(eval_ppl.documents([txt], tokenizer, allow_pipe=False, txt_docs=txt_docs))

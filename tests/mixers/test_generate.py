@@ -1,27 +1,17 @@
 """Item 4 of the issue: decoding a CausalLM token by token (``CausalLM.step``) matches its parallel forward, and
 ``tools/generate.py`` picks tokens as asked (its run end to end: tests/train/test_generate_cli.py)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from pretrain.config import ModelConfig
 from pretrain.models import build_lm
 
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
 
 
-def load_module(path: Path, name: str):
-    """A module of the repository that is not in a package (a tool)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate_tool = load_module(REPO / "tools" / "generate.py", "generate_tool")
+@pytest.fixture(scope="module")
+def generate_tool(load_tool):
+    return load_tool("generate")
 
 
 def random_lm(layer_pattern, seed=0):
@@ -59,7 +49,7 @@ def test_decoding_logits_equal_the_parallel_forward(pattern, prompt):
 
 
 @pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
-def test_greedy_generation_is_the_argmax_of_the_parallel_forward(pattern):
+def test_greedy_generation_is_the_argmax_of_the_parallel_forward(pattern, generate_tool):
     model = random_lm(pattern)
     prompt = [5, 17, 42]
     new = generate_tool.generate(model, prompt, 14, temperature=0.0)
@@ -70,7 +60,7 @@ def test_greedy_generation_is_the_argmax_of_the_parallel_forward(pattern):
     assert new == logits[len(prompt) - 1:-1].argmax(dim=-1).tolist()
 
 
-def test_sampling_keeps_to_top_k_and_top_p():
+def test_sampling_keeps_to_top_k_and_top_p(generate_tool):
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     assert torch.isfinite(generate_tool.filter_logits(logits, top_k=2)).tolist() == [[True, True, False, False, False]]
     probs = logits.softmax(-1)[0]  # ≈ 0.64, 0.24, 0.09, ...: the nucleus of 0.8 needs the first two tokens

@@ -1,30 +1,17 @@
 """The benchmark tools' plumbing, on stub steps: probes in fresh processes and the statuses of those that fail,
 timing rounds, a configuration too slow for rounds kept at its probe, the JSON, plot and table, and
 tools/bench_attention.py's probe mode. Nothing here measures anything: the figures are the tools' to make."""
-import importlib.util
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
 
 @pytest.fixture
-def tools(monkeypatch):
-    """``benchlib`` and ``bench_attention`` imported from tools/, as the scripts import each other."""
-    monkeypatch.syspath_prepend(str(TOOLS))
-
-    def load(name):
-        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return SimpleNamespace(benchlib=load("benchlib"), bench_attention=load("bench_attention"))
+def tools(load_tool):
+    return SimpleNamespace(benchlib=load_tool("benchlib"), bench_attention=load_tool("bench_attention"))
 
 
 @pytest.mark.dist
