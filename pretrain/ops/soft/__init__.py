@@ -1,8 +1,10 @@
 """SOFT — softmax-free attention (Lu et al. 2021): a Gaussian kernel through landmarks and a Newton pseudo-inverse.
 
-REFERENCE §6. With ``G(a, b) = exp(−‖a − b‖² / 2)`` on queries already scaled by ``d^{-1/4}`` (keys are the
+docs/MIXERS.md#soft. With ``G(a, b) = exp(−‖a − b‖² / 2)`` on queries already scaled by ``d^{-1/4}`` (keys are the
 queries: tied projections), ``Y = K1 · NS(A) · (K1ᵀ V)``, ``K1 = G(Q, L)`` ``[n, m]``, ``A = G(L, L)`` ``[m, m]``.
-No row normalisation; optionally the symmetric one ``D · NS(A) · D`` with ``D = diag(rowsum A)^{-1/2}``.
+No row normalisation; optionally the symmetric one ``D · NS(A) · D`` with ``D = diag(rowsum A)^{-1/2}``. Both
+invert ``A + 0.01·I`` (the released model's ridge); the released symmetric variant drops the ridge, which
+``tools/soft_inverse_report.py`` shows collapses or blows up its inverse (docs/MIXERS.md#soft).
 Non-causal only: the landmarks pool the whole image.
 
 ``naive.py`` holds the definition with an exact inverse (the oracle), ``newton_schulz.py`` the iterative inverse.
