@@ -82,6 +82,34 @@ def verify_training_shards(urls: Sequence[str], world) -> None:
         say(f"rank 0: {summary}")
 
 
+class TokenRowsTask:
+    """What the causal-LM tasks (``lm``, ``recall``) share: the model of ``cfg.model``, trained on ``self.loader``'s
+    rows of ``train.seq_len`` tokens, resumed exactly from that loader's state."""
+    unit = "tokens"
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def build_model(self) -> nn.Module:
+        return build_model(self.cfg)
+
+    def train_flops_per_unit(self, model: nn.Module) -> float:
+        return 3 * model.flops_per_token(self.cfg.train.seq_len)
+
+    def batches(self) -> Iterator[dict]:
+        return iter(self.loader)
+
+    def train_metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+
+
 def build_model(cfg: DictConfig) -> nn.Module:
     """The model of the run ``cfg`` describes, without opening any data (checkpoint loading, dry runs)."""
     if cfg.task == "vision":

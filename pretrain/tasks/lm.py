@@ -13,13 +13,11 @@ from pretrain.data import MixtureLoader, Tokenizer, TokenLoader
 from pretrain.data.shards import expand_shards
 from pretrain.data.text_shards import read_shard_documents
 
-from . import build_model, verify_training_shards
+from . import TokenRowsTask, verify_training_shards
 from .lm_scoring import IGNORE, batch_nll, score_documents
 
 
-class LMTask:
-    unit = "tokens"
-
+class LMTask(TokenRowsTask):
     def __init__(self, cfg: DictConfig, world):
         self.cfg, self.world, t = cfg, world, cfg.train
         try:
@@ -69,21 +67,8 @@ class LMTask:
                 for what, value in zip(("documents", "tokens"), row)}
 
     @property
-    def epoch(self) -> int:
-        return self.loader.epoch
-
-    @property
     def has_validation(self) -> bool:
         return bool(self.val_urls)
-
-    def build_model(self):
-        return build_model(self.cfg)
-
-    def train_flops_per_unit(self, model) -> float:
-        return 3 * model.flops_per_token(self.cfg.train.seq_len)
-
-    def batches(self):
-        return iter(self.loader)
 
     def loss(self, model, batch, device):
         """On a sequence slice: this slice's NLL, and the whole rows' scored tokens / N as its count. DeepSpeed
@@ -104,9 +89,3 @@ class LMTask:
                                  max_batches=self.cfg.log.val_batches, sequence=self.sequence)
         mean = scores.nll / scores.tokens
         return {"val/loss": mean, "val/ppl": math.exp(mean), "val/tokens": scores.tokens}
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)

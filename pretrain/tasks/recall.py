@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from pretrain.config import ConfigError
 from pretrain.data.mqar import IGNORE, MQARLoader, MQARSettingError, check_mqar
 
-from . import build_model
+from . import TokenRowsTask
 from .lm_scoring import batch_nll
 
 SETTING_KEYS = {"vocab_size": "recall.vocab_size", "seq_len": "train.seq_len", "num_pairs": "recall.num_pairs",
@@ -55,8 +55,7 @@ def recall_scores(model, batches, device) -> torch.Tensor:
     return totals
 
 
-class RecallTask:
-    unit = "tokens"
+class RecallTask(TokenRowsTask):
     has_validation = True
 
     def __init__(self, cfg: DictConfig, world):
@@ -71,33 +70,11 @@ class RecallTask:
                           batch_size=self.cfg.train.micro_batch_size, query_power=r.query_power, rank=rank,
                           world_size=world_size, seed=seed, split=split)
 
-    @property
-    def epoch(self) -> int:
-        return self.loader.epoch
-
-    def build_model(self):
-        return build_model(self.cfg)
-
-    def train_flops_per_unit(self, model) -> float:
-        return 3 * model.flops_per_token(self.cfg.train.seq_len)
-
-    def batches(self):
-        return iter(self.loader)
-
     def loss(self, model, batch, device):
         return batch_nll(model, batch, device)
-
-    def train_metrics(self) -> dict[str, float]:
-        return {}
 
     def validate(self, model, device) -> dict[str, float]:
         """Accuracy and mean NLL over ``log.val_batches`` batches per rank of the validation rows."""
         rows = self.stream("val", self.cfg.run.seed, rank=self.world.data_rank, world_size=self.world.data_size)
         correct, answers, nll = recall_scores(model, map(rows.batch, range(self.cfg.log.val_batches)), device).tolist()
         return {"val/recall_accuracy": correct / answers, "val/loss": nll / answers, "val/answers": answers}
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
