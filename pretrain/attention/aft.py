@@ -1,4 +1,4 @@
-"""AFT mixers (Zhai et al. 2021, REFERENCE §5): ``aft_full``, ``aft_local``, ``aft_simple`` and ``aft_conv``.
+"""AFT mixers (Zhai et al. 2021, docs/MIXERS.md#aft): ``aft_full``, ``aft_local``, ``aft_simple`` and ``aft_conv``.
 
 Each projects x to Q, K, V of ``dim`` channels, applies its op from ``pretrain.ops.aft`` and projects back.
 AFT mixes per channel and has no heads: ``num_heads`` is taken for the common signature and used only by

@@ -1,4 +1,4 @@
-"""``cosine``: the "1 + cos" similarity, ``sim(q, k) = 1 + q̂·k̂``, as divisive linear attention (REFERENCE §2).
+"""``cosine``: the "1 + cos" similarity, ``sim(q, k) = 1 + q̂·k̂``, as divisive linear attention (docs/MIXERS.md#cosine).
 
 The feature map ``φ(x) = [1, x̂]`` (a constant feature before the unit vector) makes ``φ(q)·φ(k) = 1 + q̂·k̂``,
 which is never negative, so the chunked linear-attention op does all the work: this is the ``linear`` mixer with

@@ -1,4 +1,4 @@
-"""``efficient``: efficient attention (Shen et al. 2021), softmax on Q and K separately (REFERENCE §3).
+"""``efficient``: efficient attention (Shen et al. 2021), softmax on Q and K separately (docs/MIXERS.md#efficient).
 
 Non-causal as published; causal through the derived prefix form of ``ops.efficient_attention``.
 """

@@ -1,7 +1,8 @@
 """``inline``: InLine attention (Han et al. 2024) — injective linear attention with subtractive normalisation.
 
-REFERENCE §4: ``φ`` = identity with ``q`` scaled by ``d^{-1/2}``, ``o_t = q_tᵀS_t/n_t + (1 − q_t·z_t/n_t)·u_t/n_t``
-(``ops.linear_attention(normalize="subtractive")``), plus a local branch on V added before the output projection:
+docs/MIXERS.md#inline: ``φ`` = identity with ``q`` scaled by ``d^{-1/2}``,
+``o_t = q_tᵀS_t/n_t + (1 − q_t·z_t/n_t)·u_t/n_t`` (``ops.linear_attention(normalize="subtractive")``), plus a local
+branch on V added before the output projection:
 - vision (non-causal, ``hw=(H, W)`` given to ``forward``): the paper's *dynamic* depthwise 3×3 convolution on the
   image grid, its kernel made per sample from the token mean by two grouped 1×1 convolutions;
 - causal LM: a static causal depthwise 1-D convolution of ``conv_size`` taps (a dynamic kernel would see the

@@ -1,6 +1,6 @@
 """``linear``: kernelized linear attention (Katharopoulos et al. 2020) around ``ops.linear_attention``.
 
-REFERENCE §1. ``φ(x) = elu(x) + 1`` by default (or relu, identity, or ``[1, x̂]``: the ``cosine`` mixer's);
+docs/MIXERS.md#linear. ``φ(x) = elu(x) + 1`` by default (or relu, identity, or ``[1, x̂]``: the ``cosine`` mixer's);
 divisive normalisation or none, usually then with an output norm (a per-head RMSNorm before the output projection).
 """
 import torch

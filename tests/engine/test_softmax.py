@@ -20,7 +20,7 @@ def grads(out, inputs, seed=1):
 
 
 def definition(q, k, v, causal):
-    """softmax(q·k/√d) v written with loops over one head at a time: REFERENCE §0 literally."""
+    """softmax(q·k/√d) v written with loops over one head at a time: docs/MIXERS.md#softmax literally."""
     B, T, H, D = q.shape
     out = torch.zeros_like(v)
     for b in range(B):

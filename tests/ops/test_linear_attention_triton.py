@@ -1,4 +1,4 @@
-"""The Triton kernels held to the naive O(T²) reference, forward and every gradient (REFERENCE §1, §4, §7).
+"""The Triton kernels held to the naive O(T²) reference, forward and every gradient (docs/MIXERS.md#chunked).
 
 Without a GPU the same kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by
 ``tests/conftest.py`` before anything imports Triton); shapes stay small because the interpreter is slow. The

@@ -1,6 +1,6 @@
 """AFT — the Attention Free Transformer (Zhai et al. 2021): per-channel attention with a learned position bias.
 
-REFERENCE §5. Layout ``[B, T, C]`` (AFT has no heads except AFT-conv's kernel groups).
+docs/MIXERS.md#aft. Layout ``[B, T, C]`` (AFT has no heads except AFT-conv's kernel groups).
 ``Y_t = σ(Q_t) ⊙ Σ_{t'} e^{K_{t'} + w_{t,t'}} ⊙ V_{t'} / Σ_{t'} e^{K_{t'} + w_{t,t'}}``; causal: ``t' ≤ t``.
 
 - ``aft_full``: any bias ``w [T_max, T_max]``; O(T·C) memory beside the bias by two matmuls with ``e^w``.

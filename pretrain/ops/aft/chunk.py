@@ -1,4 +1,4 @@
-"""Causal AFT-local and AFT-simple over packed documents, all chunks at once (REFERENCE §5).
+"""Causal AFT-local and AFT-simple over packed documents, all chunks at once (docs/MIXERS.md#aft_local).
 
 ``num_t = Σ_{t' ≤ t} e^{K_{t'}} V_{t'} + Σ_{t − t' < s} (e^{w(t − t')} − 1) e^{K_{t'}} V_{t'}`` over the
 tokens of t's document (den: V → 1). Cut into chunks of L ≥ s tokens, so the band reaches one chunk back at most:

@@ -1,6 +1,6 @@
 """Efficient attention (Shen et al. 2021): softmax over Q's features and over K's positions, separately.
 
-REFERENCE §3. Non-causal, as published: ``O = softmax_d(Q) · (softmax_T(K)ᵀ V)``.
+docs/MIXERS.md#efficient. Non-causal, as published: ``O = softmax_d(Q) · (softmax_T(K)ᵀ V)``.
 Causal (derived): ``o_t = Σ_c softmax(q_t)_c · A_t[c]`` with ``A_t[c] = Σ_{j≤t} softmax_{j≤t}(k_{·c})_j v_j``,
 a per-channel prefix softmax over the keys.
 

@@ -1,4 +1,6 @@
-"""Linear attention (REFERENCE §1, §4, §7): ``o_t = φ(q_t)ᵀ S_t``, normalized, with a state carried across calls.
+"""Linear attention: ``o_t = φ(q_t)ᵀ S_t``, normalized, with a state carried across calls.
+
+The math: docs/MIXERS.md#linear, #inline (subtractive) and #chunked (the chunked form).
 
 One public entry, ``linear_attention``, checks its inputs once and hands them to an implementation:
 ``naive`` (the O(T²) definition, the oracle), ``chunk`` (chunked parallel form, CPU/CUDA), ``recurrent``
@@ -36,7 +38,7 @@ def linear_attention(
     """Linear attention over ``[B, T, H, D]`` (q, k already feature-mapped; v ``[B, T, H, Dv]``).
 
     normalize: ``none`` (φ(q)ᵀS), ``divisive`` (φ(q)ᵀS / (φ(q)·z + eps)) or ``subtractive``
-    (InLine, REFERENCE §4; ``eps`` unused: the count n_t is at least 1).
+    (InLine, docs/MIXERS.md#inline; ``eps`` unused: the count n_t is at least 1).
     causal: prefix sums (inclusive) or, when False, the sums over the whole sequence (or document).
     cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
     initial_state / output_final_state: a ``LinearAttentionState`` per sequence (or per document), so a long

@@ -1,4 +1,4 @@
-"""Chunked parallel linear attention (REFERENCE §7): quadratic inside a chunk, a recurrent state between chunks.
+"""Chunked parallel linear attention (docs/MIXERS.md#chunked): quadratic inside a chunk, a state between chunks.
 
 The unnormalized core ``o_t = q_tᵀ S_t`` (``normalize.py`` builds the normalizations on it). Packed documents
 share chunks: one chunk may hold the end of a document, several short ones and the start of the next. Inside a

@@ -1,4 +1,4 @@
-"""The O(T²) definition of linear attention, written straight from the math (REFERENCE §1, §4): the oracle.
+"""The O(T²) definition of linear attention, straight from the math (docs/MIXERS.md#linear, #inline): the oracle.
 
 Every fast form (chunk, recurrent, triton) is tested against this file, so it is kept as plain as possible:
 one ``[T, T]`` weight matrix per document and head, computed in fp32 (fp64 stays fp64), no tricks.

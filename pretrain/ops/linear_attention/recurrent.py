@@ -1,4 +1,4 @@
-"""Recurrent linear attention (REFERENCE §1): ``S_t = S_{t-1} + φ(k_t) v_tᵀ``, one token at a time.
+"""Recurrent linear attention (docs/MIXERS.md#linear): ``S_t = S_{t-1} + φ(k_t) v_tᵀ``, one token at a time.
 
 The decoding form: O(1) memory per generated token, state in and out. Packed documents run as a padded batch
 (padding adds nothing to the state). Slow for long prompts — prefill with ``chunk`` and continue from its state.

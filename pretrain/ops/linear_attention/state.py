@@ -1,8 +1,8 @@
 """The carried state of linear attention, one type for every implementation.
 
 ``S = Σ φ(k) vᵀ`` ``[N, H, D, Dv]``, ``z = Σ φ(k)`` ``[N, H, D]``, ``u = Σ v`` ``[N, H, Dv]``,
-``n`` = tokens seen ``[N, H]`` (REFERENCE §1, §4), all fp32 (fp64 for fp64 inputs). ``N`` is the batch, or the
-number of documents when ``cu_seqlens`` packs them. Which fields are present depends on the normalization:
+``n`` = tokens seen ``[N, H]`` (docs/MIXERS.md#linear, #inline), all fp32 (fp64 for fp64 inputs). ``N`` is the
+batch, or the number of documents when ``cu_seqlens`` packs them. Which fields are present depends on the normalization:
 ``none`` keeps ``S``, ``divisive`` ``S, z``, ``subtractive`` all four; the others are ``None``.
 """
 from typing import NamedTuple

@@ -1,4 +1,4 @@
-"""Triton kernels for chunked linear attention (REFERENCE §1, §4, §7): one fused pass forward, three backward.
+"""Triton kernels for chunked linear attention (docs/MIXERS.md#chunked): one fused pass forward, three backward.
 
 Each program owns one (sequence, head, block of channels) and walks the chunks of its sequence in order,
 carrying the fp32 state ``S = Σ kᵀv`` (and ``z = Σ k``, ``u = Σ v``, ``n`` = tokens seen) in registers: per

@@ -1,4 +1,4 @@
-"""Softmax attention (REFERENCE §0), the baseline every linear mixer is measured against.
+"""Softmax attention (docs/MIXERS.md#softmax), the baseline every linear mixer is measured against.
 
 Fast forms: flash-attn's kernels when the package is importable and the tensors are fp16/bf16 on CUDA, otherwise
 PyTorch's ``scaled_dot_product_attention`` (which picks its own flash kernel on CUDA when there is no mask).
