@@ -19,6 +19,7 @@ def _command(script: str) -> Callable[[], None]:
             raise SystemExit(f"{path} not found: the pretrain-* commands run the scripts of a checkout; install it "
                              f"with pip install -e . (or run python {script} there)")
         sys.argv[0] = str(path)
+        sys.path.insert(0, str(path.parent))  # as python puts the script's directory first: tools import siblings
         runpy.run_path(str(path), run_name="__main__")
 
     run.__doc__ = f"python {script} ..."

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+CHECKOUT = Path(__file__).resolve().parent.parent
 Step = Callable[[], torch.Tensor]  # one forward over fixed inputs; its output is backpropagated with ones
 
 
@@ -54,6 +55,17 @@ def timed(fn, step: Step, device) -> float:
     start = time.perf_counter()
     fn(step)
     sync(device)
+    return time.perf_counter() - start
+
+
+def run_logged(command: list[str], log: Path) -> float:
+    """Run ``command`` (in the checkout) with its output in ``log``; its wall time in seconds. A failure ends the
+    tool naming the command and the log: a sweep's training or scoring step."""
+    start = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=CHECKOUT)
+    if code != 0:
+        raise SystemExit(f"exit {code}: {' '.join(command)}\n(see {log})")
     return time.perf_counter() - start
 
 

@@ -13,9 +13,7 @@ is not redone, so an interrupted sweep continues where it stopped. Prints a mark
 import argparse
 import json
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,18 +25,10 @@ from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks import build_model  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 
+import benchlib  # noqa: E402  (tools/, beside this script)
+
 COLUMNS = [("mixer", "{}"), ("params", "{:,}"), ("tokens", "{:,}"), ("train_s", "{:.0f}"), ("tokens_per_s", "{:.0f}"),
            ("val_ppl", "{:.1f}"), ("test_ppl", "{:.1f}"), ("word_ppl", "{:.0f}"), ("bits_per_byte", "{:.3f}")]
-
-
-def run_logged(command: list[str], log: Path) -> float:
-    """Run ``command`` with its output in ``log``; its wall time in seconds. A failure names the command and log."""
-    start = time.perf_counter()
-    with log.open("w") as out:
-        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    if code != 0:
-        raise SystemExit(f"exit {code}: {' '.join(command)}\n(see {log})")
-    return time.perf_counter() - start
 
 
 def mixer_label(config_path: str, overrides: list[str]) -> str:
@@ -60,9 +50,9 @@ def compare(config_path: str, args: argparse.Namespace) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, f"run.dir={run_dir}"]
     train = [sys.executable, "launch/pretrain.py", "--config", config_path, *overrides]
-    train_s = run_logged(train, run_dir / "train.log")
+    train_s = benchlib.run_logged(train, run_dir / "train.log")
     evaluate = [sys.executable, "tools/eval_ppl.py", "--run", str(run_dir), "--data", *args.eval_data, "--json"]
-    run_logged(evaluate, run_dir / "eval.log")
+    benchlib.run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "eval.log").read_text().strip().splitlines()[-1])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tokens = max(m["train/tokens_seen"] for m in metrics if "train/tokens_seen" in m)

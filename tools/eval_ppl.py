@@ -18,9 +18,11 @@ context. Reported:
   nll            mean negative log-likelihood per token (nats); ppl = exp(nll)
   bits_per_byte  total NLL / ln 2 / UTF-8 bytes of the text
   word_ppl       exp(total NLL / (whitespace words + lines)): one end-of-line per line, the WikiText convention
+  train_seq_len  the run's train.seq_len: positions past it under a longer --seq-len are extrapolation
   by_position    with --by-position: tokens, nll and ppl per document position of the target, in doubling
                  buckets (0, 1, 2-3, 4-7, ...). Does the model use long context? Positions past --seq-len see at
                  most --seq-len tokens (less with the default stride): evaluate at the length you want to probe.
+                 tools/context_position.py compares runs and window lengths this way, in one table and plot.
 """
 import argparse
 import json
@@ -127,7 +129,7 @@ def score(args, model, cfg, checkpoint_path, world) -> dict:
     result = {"tokens": tokens, "nll": nll / tokens, "ppl": math.exp(nll / tokens),
               "bits_per_byte": nll / math.log(2) / num_bytes, "word_ppl": math.exp(nll / words),
               "bytes": num_bytes, "words": words, "checkpoint": str(checkpoint_path), "seq_len": seq_len,
-              "stride": stride, "ranks": world.world_size,
+              "stride": stride, "train_seq_len": cfg.train.seq_len, "ranks": world.world_size,
               "sequence_parallel": 1 if world.sequence is None else world.sequence.size}
     if scores.by_position is not None:
         result["by_position"] = position_rows(scores.by_position)

@@ -16,9 +16,7 @@ the decoding state's bytes at the trained length, one panel per number of pairs 
 import argparse
 import json
 import re
-import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -29,15 +27,7 @@ from pretrain.cli_help import HelpFormatter  # noqa: E402
 from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 
-
-def run_logged(command: list[str], log: Path) -> float:
-    """Run ``command`` with its output in ``log``; its wall time in seconds. A failure names the command and log."""
-    start = time.perf_counter()
-    with log.open("w") as out:
-        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-    if code != 0:
-        raise SystemExit(f"exit {code}: {' '.join(command)}\n(see {log})")
-    return time.perf_counter() - start
+import benchlib  # noqa: E402  (tools/, beside this script)
 
 
 def mixer_label(cfg) -> str:
@@ -60,8 +50,8 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace)
                                  " give another --out or delete it")
         return row
     run_dir.mkdir(parents=True, exist_ok=True)
-    train_s = run_logged(train, run_dir / "train.log")
-    run_logged(evaluate, run_dir / "eval.log")
+    train_s = benchlib.run_logged(train, run_dir / "train.log")
+    benchlib.run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "scores.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = load_run_config(config_path, overrides)

@@ -17,6 +17,7 @@ TOOLS = [
     (["tools/bench_data.py"], ["--data"], "(default: 20000000)"),
     (["tools/bench_images.py"], ["--data"], None),
     (["tools/compare_mixers.py"], ["--configs", "--out", "--json"], None),
+    (["tools/context_position.py"], ["--run", "--tag", "--data", "--json"], "(default: 16384)"),
 ]
 
 

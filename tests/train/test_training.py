@@ -177,6 +177,28 @@ def test_eval_ppl_by_position_splits_the_same_scores_into_doubling_buckets(zero_
     assert "positions" in table and "\n           2-3" in table
 
 
+def test_context_position_scores_every_context_as_eval_ppl_does(zero_run, lm_data, tmp_path):
+    run = str(zero_run(0))
+    command = [PYTHON, "tools/context_position.py", "--run", f"tiny={run}", "--data", lm_data["held_out"],
+               "--contexts", "16", "64", "--json", str(tmp_path / "ctx.json"), "--plot", str(tmp_path / "ctx.png")]
+    made = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-4000:]
+    rows = json.loads((tmp_path / "ctx.json").read_text())
+    assert [(r["label"], r["context"], r["stride"], r["train_seq_len"]) for r in rows] == [("tiny", 16, 4, 64),
+                                                                                          ("tiny", 64, 16, 64)]
+    direct = json.loads(subprocess.run([PYTHON, "tools/eval_ppl.py", "--run", run, "--data", lm_data["held_out"],
+                                        "--seq-len", "16", "--stride", "4", "--by-position", "--json"], cwd=REPO,
+                                       capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    assert [b["positions"] for b in rows[0]["by_position"]] == [b["positions"] for b in direct["by_position"]]
+    assert [b["nll"] for b in rows[0]["by_position"]] == pytest.approx([b["nll"] for b in direct["by_position"]])
+    assert rows[0]["tokens"] == rows[1]["tokens"] == direct["tokens"]  # every token scored once, whatever the window
+    assert "| positions | tokens | tiny @16 | tiny @64 |" in made.stdout and "\n| all |" in made.stdout
+    assert (tmp_path / "ctx.png").stat().st_size > 0
+    refused = subprocess.run([PYTHON, "tools/context_position.py", "--run", run, "--data", lm_data["held_out"],
+                              "--contexts", "16"], cwd=REPO, capture_output=True, text=True)
+    assert refused.returncode == 2 and "expected LABEL=RUN_DIR" in refused.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

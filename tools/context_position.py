@@ -1,0 +1,127 @@
+"""Loss against document position under several context lengths: does a model use its long context?
+
+    python tools/context_position.py --run softmax=runs/ctx/softmax linear=runs/ctx/linear \\
+        --data data/ctx/test --contexts 256 2048 16384 --json ctx.json --plot ctx.png
+
+Every run is scored by ``tools/eval_ppl.py --by-position`` once per context C: windows of C tokens starting every
+C/4, so a target sees between 3/4·C and C tokens of its document (its whole prefix when it sits nearer the start).
+A context as long as the longest document gives every target its whole prefix.
+
+Reading it: at a position p past C, the loss under context C minus the loss under a longer context is what the
+tokens beyond C are worth to the model; a model that uses only its last few hundred tokens scores the same under
+both. Under a context longer than the run's ``train.seq_len`` the positions past it are length extrapolation: a
+softmax model meets RoPE rotations it never trained on, a linear model's state carries no position at all.
+
+Prints a markdown table (mean nll per position bucket, a column per run and context); ``--json`` keeps every
+score, ``--plot`` draws nll against position, a colour per run and a line style per context.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import eval_ppl
+
+from pretrain.cli_help import HelpFormatter
+from pretrain.data.text_files import TXT_DOC_RULES
+
+
+def labelled_run(text: str) -> tuple[str, str]:
+    label, sep, run = text.partition("=")
+    if not sep or not label or not run:
+        raise argparse.ArgumentTypeError(f"expected LABEL=RUN_DIR, got {text!r}")
+    return label, run
+
+
+def score(run: str, context: int, args: argparse.Namespace) -> dict:
+    """eval_ppl's figures for ``run`` with windows of ``context`` tokens every ``context // 4``."""
+    options = argparse.Namespace(run=run, tag=args.tag, data=args.data, txt_docs=args.txt_docs, seq_len=context,
+                                 stride=max(1, context // 4), batch_size=max(1, args.batch_tokens // context),
+                                 device=args.device, by_position=True, sequence_parallel=1)
+    return eval_ppl.evaluate(options)
+
+
+def column(row: dict) -> str:
+    return f"{row['label']} @{row['context']}"
+
+
+def markdown(rows: list[dict]) -> str:
+    """Mean nll per position bucket, a column per run and context; the overall nll in the last line."""
+    buckets = list(dict.fromkeys(b["positions"] for row in rows for b in row["by_position"]))
+    lines = ["| positions | tokens | " + " | ".join(column(row) for row in rows) + " |",
+             "|---|---:|" + "---:|" * len(rows)]
+    for bucket in buckets:
+        found = [{b["positions"]: b for b in row["by_position"]}.get(bucket) for row in rows]
+        tokens = next(b["tokens"] for b in found if b)
+        lines.append(f"| {bucket} | {tokens:,} | " + " | ".join(f"{b['nll']:.3f}" if b else "—" for b in found) + " |")
+    lines.append(f"| all | {rows[0]['tokens']:,} | " + " | ".join(f"{row['nll']:.3f}" for row in rows) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """nll against the first position of each bucket (log scale; bucket 0 left out), a colour per run, a line
+    style per context, the trained length marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(row["label"] for row in rows))
+    contexts = sorted({row["context"] for row in rows})
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for row in rows:
+        points = [(int(b["positions"].split("-")[0]), b["nll"]) for b in row["by_position"] if b["positions"] != "0"]
+        ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{labels.index(row['label'])}",
+                linestyle=styles[contexts.index(row["context"]) % len(styles)], label=column(row))
+    for trained in sorted({row["train_seq_len"] for row in rows}):
+        ax.axvline(trained, color="gray", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("position of the target in its document (bucket start; dashed: trained seq_len)")
+    ax.set_ylabel("nll (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--run", nargs="+", type=labelled_run, required=True, metavar="LABEL=RUN",
+                        help="runs to score, each named for the table (a run directory or an exported model)")
+    parser.add_argument("--data", nargs="+", required=True, help="long documents: shards or text files, as eval_ppl")
+    parser.add_argument("--contexts", nargs="+", type=int, required=True, help="window lengths in tokens")
+    parser.add_argument("--tag", default="latest", help="checkpoint tag of every run")
+    parser.add_argument("--txt-docs", choices=TXT_DOC_RULES, default="paragraphs",
+                        help="document boundaries in .txt, as eval_ppl")
+    parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward (windows × context)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--json", type=Path, help="write every score here")
+    parser.add_argument("--plot", type=Path, help="draw nll against position here (.png)")
+    args = parser.parse_args(argv)
+    if min(args.contexts) < 4:
+        parser.error(f"--contexts: a window needs at least 4 tokens, got {min(args.contexts)}")
+
+    rows = []
+    for label, run in args.run:
+        for context in args.contexts:
+            print(f"{label} @{context}: scoring {run}", file=sys.stderr)
+            try:
+                result = score(run, context, args)
+            except (OSError, ValueError) as err:
+                print(f"error: {label}={run}: {err}", file=sys.stderr)
+                return 1
+            rows.append({"label": label, "run": run, "context": context, **result})
+    print(markdown(rows))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
