@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Does a linear LM use long context? A softmax and a linear (elu+1) tiny LM (4 layers, width 256, the configs of
 # configs/tiny_lm.yaml and configs/lm/linear_tiny.yaml), each trained at 2,048 tokens for 500 steps of 2 rows on one
-# CPU thread, then scored per document position by tools/context_position.py under windows of 256, 2,048 and
-# 16,384 tokens. Data: War and Peace (../shared/data/text/warandpeace.txt, Project Gutenberg): Books One to
-# Fourteen, one document each (45k–100k tokens), train; Book Fifteen and the two epilogues, cut at paragraphs into
-# 8 documents of about 13k tokens, held out. Writes its runs to ${OUT:-/tmp/ctx}; the figures to
-# benchmarks/context_position_cpu.{json,png}, the table printed (copied into context_position_cpu.md by hand).
+# CPU thread, then scored per document position by tools/context_position.py under windows of 16, 64, 256, 2,048
+# and 24,576 tokens (longer than any held-out document). Data: War and Peace (../shared/data/text/warandpeace.txt,
+# Project Gutenberg). Books One to Fourteen, one document each (33k–103k tokens), train; Book Fifteen and the two
+# epilogues, cut at paragraphs into 8 documents of 4.7k–17k tokens, held out. Writes its runs to ${OUT:-/tmp/ctx};
+# the figures to benchmarks/context_position_cpu.{json,png}; the table it prints is in context_position_cpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ctx}
@@ -44,6 +44,6 @@ for mixer in softmax linear; do
       data.tokenizer="$OUT/tok.model" data.train_shards="$OUT/train" data.val_shards=null data.num_workers=0 \
       train.seq_len=2048 train.micro_batch_size=2 train.max_steps=500 log.every=10 checkpoint.every=100
 done
-OMP_NUM_THREADS=2 $PY tools/context_position.py --run softmax="$OUT/runs/softmax" linear="$OUT/runs/linear" \
-    --data "$OUT/test" --contexts 256 2048 16384 \
+OMP_NUM_THREADS=1 $PY tools/context_position.py --run softmax="$OUT/runs/softmax" linear="$OUT/runs/linear" \
+    --data "$OUT/test" --contexts 16 64 256 2048 24576 \
     --json benchmarks/context_position_cpu.json --plot benchmarks/context_position_cpu.png

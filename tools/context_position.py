@@ -13,7 +13,8 @@ both. Under a context longer than the run's ``train.seq_len`` the positions past
 softmax model meets RoPE rotations it never trained on, a linear model's state carries no position at all.
 
 Prints a markdown table (mean nll per position bucket, a column per run and context); ``--json`` keeps every
-score, ``--plot`` draws nll against position, a colour per run and a line style per context.
+score, ``--plot`` draws nll against position (and its gain over the shortest context), a column per run and
+a line per context.
 """
 import argparse
 import json
@@ -60,8 +61,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """nll against the first position of each bucket (log scale; bucket 0 left out), a colour per run, a line
-    style per context, the trained length marked."""
+    """A column per run, a line per context, against the first position of each bucket (log scale; bucket 0 left
+    out): above, the nll; below, the nll less that under the shortest context, what the longer context is worth
+    (below zero: it helps). The run's trained seq_len dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,19 +71,26 @@ def plot(rows: list[dict], path: Path) -> None:
 
     labels = list(dict.fromkeys(row["label"] for row in rows))
     contexts = sorted({row["context"] for row in rows})
-    styles = ["-", "--", ":", "-."]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for row in rows:
-        points = [(int(b["positions"].split("-")[0]), b["nll"]) for b in row["by_position"] if b["positions"] != "0"]
-        ax.plot(*zip(*points), marker="o", markersize=3, color=f"C{labels.index(row['label'])}",
-                linestyle=styles[contexts.index(row["context"]) % len(styles)], label=column(row))
-    for trained in sorted({row["train_seq_len"] for row in rows}):
-        ax.axvline(trained, color="gray", linewidth=0.8, linestyle="--")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("position of the target in its document (bucket start; dashed: trained seq_len)")
-    ax.set_ylabel("nll (nats)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(2, len(labels), figsize=(4.2 * len(labels), 6), sharex=True, sharey="row", squeeze=False)
+    for col, label in enumerate(labels):
+        runs = {row["context"]: row for row in rows if row["label"] == label}
+        shortest = {b["positions"]: b["nll"] for b in runs[min(runs)]["by_position"]}
+        for context, row in sorted(runs.items()):
+            buckets = [b for b in row["by_position"] if b["positions"] != "0"]
+            starts = [int(b["positions"].split("-")[0]) for b in buckets]
+            style = {"marker": "o", "markersize": 3, "label": f"context {context:,}",
+                     "color": plt.cm.viridis(contexts.index(context) / max(1, len(contexts) - 1))}
+            axes[0][col].plot(starts, [b["nll"] for b in buckets], **style)
+            axes[1][col].plot(starts, [b["nll"] - shortest[b["positions"]] for b in buckets], **style)
+        for ax in axes[:, col]:
+            ax.axvline(runs[min(runs)]["train_seq_len"], color="gray", linewidth=0.8, linestyle="--")
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        axes[0][col].set_title(label, fontsize=9)
+        axes[1][col].set_xlabel("position in the document (bucket start)")
+    axes[0][0].set_ylabel("nll (nats)")
+    axes[1][0].set_ylabel(f"nll − nll at context {min(contexts):,}")
+    axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
