@@ -164,11 +164,7 @@ def summary(record: dict) -> str:
 def plot(records: list[dict], path: str, title: str, *, x: str, series: str, x_label: str) -> None:
     """Log-log time (forward and forward+backward) and peak memory against ``record[x]``, one colour per
     ``record[series]``; a configuration that did not fit is marked with its status on the memory panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.8))
     for i, name in enumerate(dict.fromkeys(r[series] for r in records)):
         ok = [r for r in records if r[series] == name and r["status"] == "ok"]
@@ -186,7 +182,23 @@ def plot(records: list[dict], path: str, title: str, *, x: str, series: str, x_l
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
+    save_figure(fig, path)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: figures go to files (a cluster node has no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path) -> None:
+    """``fig`` laid out and written to ``path``, its directory made."""
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
 
 

@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-import eval_ppl
-
 from pretrain.cli_help import HelpFormatter
 from pretrain.data.text_files import TXT_DOC_RULES
+
+import benchlib  # tools/, beside this script
+import eval_ppl
 
 
 def labelled_run(text: str) -> tuple[str, str]:
@@ -64,11 +65,7 @@ def plot(rows: list[dict], path: Path) -> None:
     """A column per run, a line per context, against the first position of each bucket (log scale; bucket 0 left
     out): above, the nll; below, the nll less that under the shortest context, what the longer context is worth
     (below zero: it helps). The run's trained seq_len dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchlib.pyplot()
     labels = list(dict.fromkeys(row["label"] for row in rows))
     contexts = sorted({row["context"] for row in rows})
     fig, axes = plt.subplots(2, len(labels), figsize=(4.2 * len(labels), 6), sharex=True, sharey="row", squeeze=False)
@@ -91,9 +88,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0][0].set_ylabel("nll (nats)")
     axes[1][0].set_ylabel(f"nll − nll at context {min(contexts):,}")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    benchlib.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,11 +101,7 @@ def markdown_table(rows: list[dict]) -> str:
 def plot(rows: list[dict], path: Path) -> None:
     """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per number
     of pairs at the trained length (where Zoology draws it; other lengths are in the table)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = benchlib.pyplot()
     trained, table = rows[0]["train_seq_len"], summary(rows)
     settings = [(seq_len, pairs) for seq_len, pairs in settings_of(rows) if seq_len == trained] or settings_of(rows)
     mixers = list(dict.fromkeys(mixer for mixer, _ in table))
@@ -123,9 +119,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("recall accuracy")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    benchlib.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
