@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="document boundaries in .txt, as eval_ppl")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="tokens per forward (windows × context)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--json", type=Path, help="write every score here")
+    parser.add_argument("--json", type=Path, help="write every score here (rewritten after each)")
     parser.add_argument("--plot", type=Path, help="draw nll against position here (.png)")
     args = parser.parse_args(argv)
     if min(args.contexts) < 4:
@@ -118,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {label}={run}: {err}", file=sys.stderr)
                 return 1
             rows.append({"label": label, "run": run, "context": context, **result})
+            if args.json:  # after every score, so a failure later keeps what was scored
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(rows, indent=1) + "\n")
     print(markdown(rows))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0
