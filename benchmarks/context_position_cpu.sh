@@ -37,7 +37,7 @@ for split in train test; do
   [ -f "$OUT/$split/manifest.json" ] || $PY tools/make_shards.py text --input "$OUT/$split.jsonl" \
       --tokenizer "$OUT/tok.model" --out "$OUT/$split" --docs-per-shard 100
 done
-for mixer in softmax linear; do
+for mixer in softmax linear inline; do
   config=configs/lm/${mixer}_tiny.yaml
   [ "$mixer" = softmax ] && config=configs/tiny_lm.yaml
   OMP_NUM_THREADS=1 $PY launch/pretrain.py --config "$config" run.dir="$OUT/runs/$mixer" \
@@ -45,5 +45,6 @@ for mixer in softmax linear; do
       train.seq_len=2048 train.micro_batch_size=2 train.max_steps=500 log.every=10 checkpoint.every=100
 done
 OMP_NUM_THREADS=1 $PY tools/context_position.py --run softmax="$OUT/runs/softmax" linear="$OUT/runs/linear" \
+    inline="$OUT/runs/inline" \
     --data "$OUT/test" --contexts 16 64 256 2048 24576 \
     --json benchmarks/context_position_cpu.json --plot benchmarks/context_position_cpu.png
