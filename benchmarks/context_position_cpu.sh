@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Does a linear LM use long context? A softmax and a linear (elu+1) tiny LM (4 layers, width 256, the configs of
-# configs/tiny_lm.yaml and configs/lm/linear_tiny.yaml), each trained at 2,048 tokens for 500 steps of 2 rows on one
-# CPU thread, then scored per document position by tools/context_position.py under windows of 16, 64, 256, 2,048
-# and 24,576 tokens (longer than any held-out document). Data: War and Peace (../shared/data/text/warandpeace.txt,
-# Project Gutenberg). Books One to Fourteen, one document each (33k–103k tokens), train; Book Fifteen and the two
+# Does a linear LM use long context? A softmax, a linear (elu+1) and an InLine tiny LM (4 layers, width 256, the
+# configs of configs/tiny_lm.yaml and configs/lm/{linear,inline}_tiny.yaml), each trained at 2,048 tokens for 500
+# steps of 2 rows on one CPU thread, then scored per document position by tools/context_position.py under windows
+# of 16, 64, 256, 2,048 and 24,576 tokens (longer than any held-out document). Data: War and Peace
+# (../shared/data/text/warandpeace.txt, Project Gutenberg). Books One to Fourteen, one document each (33k–103k tokens), train; Book Fifteen and the two
 # epilogues, cut at paragraphs into 8 documents of 4.7k–17k tokens, held out. Writes its runs to ${OUT:-/tmp/ctx};
 # the figures to benchmarks/context_position_cpu.{json,png}; the table it prints is in context_position_cpu.md.
 set -euo pipefail
