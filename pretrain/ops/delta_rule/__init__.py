@@ -1,0 +1,78 @@
+"""The gated delta rule (DeltaNet, Gated DeltaNet): ``S_t = α_t (I − β_t k_t k_tᵀ) S_{t−1} + β_t k_t v_tᵀ``,
+``o_t = S_tᵀ q_t``.
+
+The math: docs/MIXERS.md#deltanet. One public entry, ``delta_rule``, checks its inputs once and hands them to an
+implementation: ``naive`` (the token-by-token recurrence with the transition as a matrix, the oracle), ``chunk``
+(the WY/UT chunked form) and ``recurrent`` (rank-1 updates, for decoding). Each module exposes
+``delta_rule_<impl>(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size)`` with the
+inputs checked and ``g`` filled in, and returns ``o`` or ``(o, S)``.
+"""
+import torch
+
+from .chunk import delta_rule_chunk
+from .naive import delta_rule_naive
+from .recurrent import delta_rule_recurrent
+from .state import check_state
+
+IMPLS = ("auto", "naive", "chunk", "recurrent")
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None = None,
+               *, cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+               output_final_state: bool = False, chunk_size: int = 64, impl: str = "auto"):
+    """The (gated) delta rule over ``q, k [B, T, H, Dk]``, ``v [B, T, H, Dv]``.
+
+    The caller L2-normalizes k (the transition ``I − β k kᵀ`` is then a contraction) and scales q as it likes.
+    beta ``[B, T, H]`` in (0, 1): how far each token moves the state's prediction for its key to its value.
+    g ``[B, T, H]``: the log of the decay α (≤ 0), or None for α = 1 (DeltaNet).
+    cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
+    initial_state ``[N, H, Dk, Dv]`` (N = batch, or documents): the state before the first token (None: zeros).
+    This is flash-linear-attention's ``chunk_gated_delta_rule`` (state k × v, ``o_t = S_tᵀ q_t``) without its
+    built-in ``Dk^-1/2`` scale of q. Returns ``o`` in the input dtype, or ``(o, final_state)`` in fp32 (fp64 for
+    fp64 inputs).
+    """
+    _check_inputs(q, k, v, beta, g, cu_seqlens, chunk_size, impl)
+    num = q.shape[0]
+    if cu_seqlens is not None:
+        offsets = cu_seqlens.tolist()
+        if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != q.shape[1] or any(
+                b <= a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={q.shape[1]} (no empty documents); "
+                             f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
+        num = len(offsets) - 1
+    if initial_state is not None:
+        check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3])
+    if g is None:
+        g = beta.new_zeros(beta.shape)
+    run = {"auto": delta_rule_chunk, "naive": delta_rule_naive, "chunk": delta_rule_chunk,
+           "recurrent": delta_rule_recurrent}[impl]
+    return run(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+               output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _check_inputs(q, k, v, beta, g, cu_seqlens, chunk_size, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if q.dim() != 4 or q.shape != k.shape or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"delta_rule wants q, k [B, T, H, Dk] and v [B, T, H, Dv]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for name, x in (("beta", beta), ("g", g)):
+        if x is not None and tuple(x.shape) != tuple(q.shape[:3]):
+            raise ValueError(f"delta_rule wants {name} [B, T, H] = {tuple(q.shape[:3])}; got {tuple(x.shape)}")
+    if q.shape[1] == 0:
+        raise ValueError("delta_rule got an empty sequence (T = 0)")
+    floats = [x for x in (q, k, v, beta, g) if x is not None]
+    if not all(x.is_floating_point() for x in floats) or len({x.dtype for x in (q, k, v)}) != 1:
+        raise ValueError(f"q, k, v must share one floating dtype and beta, g be floating; got "
+                         f"{[x.dtype for x in floats]}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {q.shape[0]}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be 1-D integer offsets [N + 1]; got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+
+
+__all__ = ["delta_rule", "delta_rule_naive", "IMPLS"]

@@ -1,0 +1,157 @@
+"""The gated delta rule in chunks (docs/MIXERS.md#deltanet): the WY/UT form inside a chunk, a state between chunks.
+
+Per chunk of C tokens (DeltaNet, arXiv 2406.06484 §3; Gated DeltaNet, arXiv 2412.06464 §3.3), with ``D_t`` the
+log-gate summed from the chunk's start (or the token's document's start, if later) to t, and
+``Γ_ij = e^{D_i − D_j}`` for j ≤ i in one document (0 elsewhere):
+
+    A = (I + strictly_lower(diag(β)(Γ ⊙ K Kᵀ)))⁻¹      a unit lower-triangular solve
+    U = A (β V),   W = A (β K ⊙ e^D)                   independent of the state: every chunk of a block at once
+    Δ = U − W S                                        what each token writes: v less what the state predicts
+    O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ
+    S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ               the one sequential step, chunk after chunk
+
+Decays stay in log space: only differences ``D_i − D_j ≤ 0`` are exponentiated, masked before ``exp``.
+
+Packed documents share chunks as in linear attention: Γ is masked to one document (so A is block-diagonal by
+document), the tokens of a chunk's first document read the carried state, and a document that begins inside a
+chunk reads its own initial state there (a gather of its few tokens).
+
+Memory: the chunks are walked in blocks, each under ``torch.utils.checkpoint``, so backward keeps per block only
+its inputs (q, k, v, β, g, already held by the caller; fp32 copies for bf16) and the state entering it, and
+recomputes the block's C×C factors, Δ and chunk states once. Plain autograd through the solve would keep C-wide
+rows of the C×C factors and W, U, Δ per token and head besides: 7× the inputs at C = Dk = Dv = 64 (MIXERS.md).
+"""
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ..linear_attention.chunk import BLOCK_ELEMENTS, _Chunks
+from ..linear_attention.runs import gather_runs
+from ..precision import upcast
+
+
+def delta_rule_chunk(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
+    """Same arguments and results as ``delta_rule`` (checked there)."""
+    batch, length, heads, dk = q.shape
+    dtype, total = q.dtype, batch * length
+    if cu_seqlens is None:
+        cu = torch.arange(batch + 1, device=q.device) * length  # rows of a batch are documents of one stream
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    q, k, v = (x.reshape(total, heads, x.shape[-1]) for x in upcast(q, k, v))
+    beta, g = (x.reshape(total, heads, 1) for x in upcast(beta, g))
+    layout = _Layout(cu, total, chunk_size)
+    zeros = q.new_zeros(1, heads, dk, v.shape[-1])
+    given = zeros.expand(layout.num_docs, -1, -1, -1) if initial_state is None else initial_state.to(q.dtype)
+    initial = torch.cat([given, zeros])  # row N: what follows the last document
+    state = initial[layout.first_doc]
+    saving = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, beta, g, initial))
+    outputs, finals = [], []
+    for lo, hi in layout.blocks(heads, max(dk, v.shape[-1])):
+        args = (q, k, v, beta, g, state, initial, initial_state is not None, output_final_state, layout, lo, hi)
+        o, state, final = checkpoint(_block, *args, use_reentrant=False) if saving else _block(*args)
+        outputs.append(o)
+        finals.append(final)
+    o = torch.cat(outputs)[:total].view(batch, length, heads, -1).to(dtype)
+    return (o, torch.cat(finals)) if output_final_state else o
+
+
+def _block(q, k, v, beta, g, entering, initial, has_initial, want_final, layout: "_Layout", lo: int, hi: int):
+    """Chunks ``lo … hi-1`` from ``entering`` (the state of chunk lo's first document before it) →
+    (their outputs as ``[(hi − lo)·C, H, Dv]`` rows, the state entering chunk hi, the final states of the documents
+    ending in them when ``want_final``)."""
+    Q, K, V, B, G = (layout.split(x, lo, hi) for x in (q, k, v, beta, g))  # [n, H, C, *]
+    B, G = B[..., 0], G[..., 0]
+    same_doc = layout.mask[lo:hi]  # [n, 1, C, C]: causal and one document
+    reads = layout.reads_state[lo:hi]  # [n, 1, C, 1]: the token continues the chunk's first document
+    feeds = layout.feeds_next[lo:hi]  # its document runs into the next chunk
+    D = (same_doc.to(G.dtype) @ G[..., None])[..., 0]  # [n, H, C]
+    decay = _exp_where(same_doc, D[..., :, None] - D[..., None, :])  # Γ
+    lower = (B[..., None] * decay * (K @ K.mT)).tril(-1)  # the unit diagonal is implied
+    rhs = torch.cat([V, K * D.exp()[..., None]], dim=-1) * B[..., None]
+    U, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
+        [V.shape[-1], K.shape[-1]], dim=-1)
+    QD = Q * D.exp()[..., None]
+    own_reads = _own_initial_reads(torch.stack([W, QD], dim=-2), initial, layout, lo, hi) if has_initial else 0
+
+    last = D[..., -1:]  # [n, H, 1]: the log-decay of the chunk's last token, whose document runs on (if any)
+    handing = K * _exp_where(feeds, last[..., None] - D[..., None])
+    carry = last.exp()[..., None]  # [n, H, 1, 1]
+    begins = layout.next_begins_inside[lo:hi].view(-1, 1, 1, 1)
+    fresh = initial[layout.next_doc[lo:hi]] * torch.where(begins, carry, 1.0)  # a document beginning next
+    states, deltas = [], []
+    state = entering
+    for c in range(hi - lo):
+        states.append(state)
+        delta = U[c] - (W[c] * reads[c]) @ state
+        if has_initial:
+            delta = delta - own_reads[c, :, :, 0]
+        deltas.append(delta)
+        kept = carry[c] * state if layout.carries_list[lo + c] else fresh[c]
+        state = kept + handing[c].mT @ delta
+    states, delta = torch.stack(states), torch.stack(deltas)
+    out = (QD * reads) @ states + (Q @ K.mT * decay) @ delta
+    if has_initial:
+        out = out + own_reads[:, :, :, 1]
+    final = _final_states(K, D, delta, states, initial, layout, lo, hi) if want_final else None
+    return _rows(out), state, final
+
+
+def _exp_where(mask: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """``e^exponent`` where ``mask``, 0 elsewhere, never exponentiating a masked value (it may be large)."""
+    return torch.where(mask, exponent, float("-inf")).exp()
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Chunks ``[n, H, C, *]`` as token rows ``[n·C, H, *]``."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], *x.shape[3:])
+
+
+def _own_initial_reads(rows_of, initial, layout: "_Layout", lo: int, hi: int) -> torch.Tensor:
+    """``[n, H, C, 2, Dv]``: for the tokens of documents that begin inside chunks ``lo … hi-1``, ``rows_of``
+    (``[n, H, C, 2, Dk]``: W and Q ⊙ e^D) times their own document's initial state; zero elsewhere."""
+    docs, start, count = layout.beginning_inside(lo, hi)
+    tokens = _rows(rows_of)
+    rows, index, valid = gather_runs(tokens, start, count)
+    reads = torch.einsum("mlhik,mhkv->mlhiv", rows, initial[docs])
+    out = tokens.new_zeros(*tokens.shape[:-1], initial.shape[-1]).index_add(0, index[valid], reads[valid])
+    return out.view(hi - lo, layout.size, *out.shape[1:]).transpose(1, 2)
+
+
+def _final_states(K, D, delta, states, initial, layout: "_Layout", lo: int, hi: int) -> torch.Tensor:
+    """The state after the last token of each document that ends in chunks ``lo … hi-1``: its state entering its
+    last chunk (the carried one, or its own initial state if it began there), decayed, plus its tokens there."""
+    docs, at = layout.ending_in(lo, hi)
+    chunk_start = (lo + at) * layout.size
+    run_start = torch.maximum(layout.starts[docs], chunk_start)
+    count = layout.ends[docs] - run_start
+    local = run_start - lo * layout.size
+    (k_rows, index, valid), (d_rows, _, _), (log_rows, _, _) = (
+        gather_runs(_rows(x), local, count) for x in (K, delta, D[..., None]))
+    log_end = _rows(D[..., None])[local + count - 1]  # [M, H, 1]: at the document's last token
+    weights = _exp_where(valid[:, :, None, None], log_end[:, None] - log_rows)
+    entering = torch.where((layout.starts[docs] < chunk_start).view(-1, 1, 1, 1), states[at], initial[docs])
+    return entering * log_end.exp()[..., None] + torch.einsum("mlhk,mlhv->mhkv", k_rows * weights, d_rows)
+
+
+class _Layout(_Chunks):
+    """Linear attention's chunk layout of a packed stream, plus where documents begin inside chunks; blocks are
+    bounded on every device (each is a unit of recomputation in backward)."""
+
+    def __init__(self, cu: torch.Tensor, total: int, size: int):
+        super().__init__(cu, total, size)
+        self.starts, self.ends = cu[:-1], cu[1:]
+        # the next chunk's first document has tokens here without being this chunk's first: it begins inside
+        self.next_begins_inside = self.feeds_next[:, 0, :, 0].any(1) & ~self.carries
+
+    def blocks(self, heads: int, width: int) -> list[tuple[int, int]]:
+        step = max(1, BLOCK_ELEMENTS // (heads * self.size * max(self.size, width)))
+        return [(lo, min(lo + step, self.count)) for lo in range(0, self.count, step)]
+
+    def beginning_inside(self, lo: int, hi: int):
+        """The documents that begin inside (not at the start of) chunks ``lo … hi-1``; the block-local index of
+        their first token, and how many of their tokens that chunk holds."""
+        size = self.size
+        docs = ((self.starts % size != 0) & (self.starts >= lo * size) & (self.starts < hi * size)).nonzero()[:, 0]
+        start = self.starts[docs]
+        end = torch.minimum(self.ends[docs], (start // size + 1) * size)
+        return docs, start - lo * size, end - start
