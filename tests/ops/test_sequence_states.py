@@ -107,3 +107,36 @@ def test_aft_empty_state_is_the_identity_and_its_gradients_are_finite():
     token_k, token_v = state_as_token(combine_aft_states(empty, empty))
     (token_k.sum() + token_v.sum() + sum(x.sum() for x in combine_aft_states(empty, some)[:2])).backward()
     assert torch.isfinite(token_k).all() and torch.isfinite(k.grad).all()
+
+
+def test_delta_rule_transition_maps_the_entering_state_and_combines():
+    """A run's (S_run, M) gives the op's final state from any entering state, M S_0 + S_run; split runs combine to
+    the whole; masked-out tokens (before the tail) change nothing."""
+    import torch.nn.functional as F
+
+    from pretrain.ops.delta_rule import delta_rule
+    from pretrain.ops.delta_rule.state import combine_transitions, transition_of_tokens
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, T, H, D, dtype=torch.float64, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, D, dtype=torch.float64, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, DV, dtype=torch.float64, generator=gen)
+    beta = torch.rand(B, T, H, dtype=torch.float64, generator=gen)
+    mask = tail_mask([6, 0])
+    entering = torch.randn(B, H, D, DV, dtype=torch.float64, generator=gen)
+    for g in (-2 * torch.rand(B, T, H, dtype=torch.float64, generator=gen), None):  # gated, then DeltaNet
+        S_run, M = transition_of_tokens(k, v, beta, g, mask, chunk_size=8)
+        for b, start in enumerate([6, 0]):
+            _, final = delta_rule(q[b:b + 1, start:], k[b:b + 1, start:], v[b:b + 1, start:], beta[b:b + 1, start:],
+                                  None if g is None else g[b:b + 1, start:], initial_state=entering[b:b + 1],
+                                  output_final_state=True, impl="naive")
+            torch.testing.assert_close(M[b] @ entering[b] + S_run[b], final[0], rtol=1e-12, atol=1e-12)
+        for split in (1, 12, 22):
+            pieces = [[None if x is None else x[:, part] for x in (k, v, beta, g, mask)]
+                      for part in (slice(None, split), slice(split, None))]
+            joined = combine_transitions(transition_of_tokens(*pieces[0]), transition_of_tokens(*pieces[1]))
+            for got, want in zip(joined, (S_run, M)):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    nothing = transition_of_tokens(k, v, beta, None, torch.zeros(B, T, dtype=torch.bool))
+    torch.testing.assert_close(nothing[0], torch.zeros_like(S_run), rtol=0, atol=0)
+    torch.testing.assert_close(nothing[1], torch.eye(D, dtype=torch.float64).expand_as(M), rtol=0, atol=0)
