@@ -12,3 +12,4 @@ from . import efficient
 from . import inline
 from . import aft
 from . import soft
+from . import deltanet

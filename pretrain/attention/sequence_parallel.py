@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..ops.delta_rule import delta_rule
+from ..ops.delta_rule.state import combine_transitions, transition_of_tokens
 from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
 from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
 from ..parallel.sequence import Combine, SliceLayout
@@ -64,3 +66,41 @@ def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: to
     initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
                                             empty=[0.0] * fields, num_docs=num_docs, shared=shared)
     return LinearAttentionState(*initial), shared
+
+
+def delta_rule_entering(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+                        position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, inputs: torch.Tensor,
+                        halo: int, features: Callable, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's initial state per packed document of the slice ``[N, H, D, Dv]``, and the ``halo`` inputs
+    before each row ``[B, halo, C']`` for its short convolution; one all-gather.
+
+    ``k, v [B, T, H, *]`` are the slice's features made without a halo, ``beta, g [B, T, H]``, ``inputs [B, T, C']``
+    the convolution's inputs, ``features(inputs, before, positions) → (k, v)`` the mixer's convolution and norms.
+    A row's first ``halo`` tokens of a document begun earlier need the previous rank's last inputs, so each rank hands
+    on the pair ``(S, M)`` of its tail document without them, its first ``halo`` inputs (with β, g and positions) and
+    its last ``halo`` inputs; folding rank j, a later rank makes j's first tokens from j−1's last inputs, steps the
+    state through them, then applies j's pair. Only ``S`` enters the op: ``M`` of the empty state (the identity) is
+    never read, so every field's fill is 0.
+    """
+    layout = slice_layout(position_ids)
+    if g is None:
+        g = torch.zeros_like(beta)
+    offsets = torch.arange(position_ids.shape[1], device=position_ids.device)
+    local = layout.tail & ((offsets >= halo)[None] | layout.resets[:, None])  # features exact without a halo
+    S, M = transition_of_tokens(k, v, beta, g, local, chunk_size=chunk_size)
+    lead = [inputs[:, :halo], beta[:, :halo], g[:, :halo], position_ids[:, :halo]]
+
+    def then_slice(earlier, later):
+        """The state after ``earlier``'s slice, carried through ``later``'s (its last inputs ride along)."""
+        S_e, M_e, last_e = earlier[:3]
+        S_l, M_l, last_l, lead_inputs, lead_beta, lead_g, lead_positions = later
+        S_mid = S_e
+        if halo:
+            lead_k, lead_v = features(lead_inputs, last_e, lead_positions.long())
+            _, S_mid = delta_rule(lead_k, lead_k, lead_v, lead_beta, lead_g, initial_state=S_e,
+                                  output_final_state=True, impl="recurrent")
+        return [*combine_transitions((S_mid, M_e), (S_l, M_l)), last_l, *later[3:]]
+
+    fields, _ = entering_states([S, M, inputs[:, inputs.shape[1] - halo:], *lead], layout, shard, then_slice,
+                                [0.0] * 7, num_docs)
+    return fields[0], fields[2][layout.first_doc]

@@ -22,6 +22,9 @@ CAUSAL_CASES = [
     ("aft_local", {"window": 3, "chunk_size": 4}),
     ("aft_local", {"window": 6, "chunk_size": 4}),
     ("aft_simple", {"chunk_size": 4}),
+    ("deltanet", {"chunk_size": 4}),
+    ("gated_deltanet", {"chunk_size": 4}),
+    ("gated_deltanet", {"chunk_size": 4, "conv_size": 1}),
 ]
 
 

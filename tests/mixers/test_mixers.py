@@ -10,12 +10,26 @@ SEQUENCE_MIXERS = {  # name → options small enough for short test sequences
     "linear": {}, "cosine": {}, "efficient": {"chunk_size": 4}, "inline": {},
     "aft_full": {"max_seq_len": 32}, "aft_local": {"window": 3, "chunk_size": 4}, "aft_simple": {"chunk_size": 4},
 }
+CAUSAL_ONLY = {"deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4}}  # recurrences: no non-causal form
 VISION_ONLY = {"soft": {"landmark_stride": 2}, "aft_conv": {"kernel_size": 3}}
 ALL = {**SEQUENCE_MIXERS, **VISION_ONLY}
 
 
 def test_every_seed_mixer_is_registered():
-    assert set(SEQUENCE_MIXERS) | set(VISION_ONLY) <= set(REGISTRY)
+    assert set(SEQUENCE_MIXERS) | set(VISION_ONLY) | set(CAUSAL_ONLY) <= set(REGISTRY)
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_ONLY))
+def test_causal_only_mixers_refuse_a_non_causal_build(name):
+    with pytest.raises(ValueError, match="causal only"):
+        build_mixer(name, DIM, HEADS, causal=False)
+
+
+def test_gated_deltanet_is_deltanet_with_the_gate():
+    plain, gated = (build_mixer(name, DIM, HEADS, causal=True) for name in ("deltanet", "gated_deltanet"))
+    assert not plain.gate and gated.gate and type(gated).__mro__[1] is type(plain)
+    assert {"A_log", "dt_bias", "decay_proj.weight"} <= {n for n, _ in gated.named_parameters()}
+    assert not any("decay" in n or n in ("A_log", "dt_bias") for n, _ in plain.named_parameters())
 
 
 @pytest.mark.parametrize("name", sorted(VISION_ONLY))
@@ -35,9 +49,9 @@ def test_unknown_and_bad_options_are_named():
         build_mixer("linear", DIM, HEADS, causal=True, options={"feature_map": "identity"})
 
 
-@pytest.mark.parametrize("name", sorted(SEQUENCE_MIXERS))
+@pytest.mark.parametrize("name", sorted({**SEQUENCE_MIXERS, **CAUSAL_ONLY}))
 def test_causal_output_ignores_the_future(make_mixer, name):
-    mixer = make_mixer(name, causal=True, **SEQUENCE_MIXERS[name])
+    mixer = make_mixer(name, causal=True, **{**SEQUENCE_MIXERS, **CAUSAL_ONLY}[name])
     x = torch.randn(2, 20, DIM, dtype=torch.float64)
     changed = x.clone()
     changed[:, 12:] += torch.randn_like(changed[:, 12:])
@@ -46,11 +60,11 @@ def test_causal_output_ignores_the_future(make_mixer, name):
     assert (y[:, 12:] - y_changed[:, 12:]).abs().amax() > 1e-3
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("name", sorted(SEQUENCE_MIXERS))
+@pytest.mark.parametrize("name,causal", [(name, causal) for name in sorted(SEQUENCE_MIXERS) for causal in (True, False)]
+                         + [(name, True) for name in sorted(CAUSAL_ONLY)])
 def test_packed_documents_equal_separate_sequences(make_mixer, name, causal):
     """Rows [d0 d1 | d2 d3 d4] packed with cu_seqlens give what each document gives alone."""
-    options = dict(SEQUENCE_MIXERS[name])
+    options = dict({**SEQUENCE_MIXERS, **CAUSAL_ONLY}[name])
     if name == "inline" and not causal:
         options["local"] = False  # its non-causal local branch is the 2-D image convolution
     mixer = make_mixer(name, causal=causal, **options)

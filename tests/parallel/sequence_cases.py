@@ -3,7 +3,8 @@ torchrun starts (each rank's slice). fp64 throughout, so forms that are exact ag
 
 Rows of T = 48 tokens hold documents that start, end and straddle the slice boundaries of N = 2, 3 and 4 (slices
 of 24, 16 and 12 tokens: not multiples of the chunk of 16), a one-token document, and a document covering whole
-middle slices (the fold passes states through ranks where no document begins).
+middle slices (the fold passes states through ranks where no document begins), and documents that begin on a slice's
+second token (inside a short convolution's reach into the slice before).
 """
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ from pretrain.attention import build_mixer
 from pretrain.ops import cu_seqlens_from_position_ids
 from pretrain.parallel import SequenceShard, shard_rows
 
-DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48]]
+DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48], [13, 20, 15]]
 SEQ_LEN, DIM, HEADS = 48, 16, 4
 
 
@@ -33,12 +34,15 @@ CASES = {
     "efficient": Case("efficient", {"chunk_size": 16}),
     "aft_simple": Case("aft_simple", {"chunk_size": 16}),
     "aft_local": Case("aft_local", {"chunk_size": 16, "window": 5}),
+    "deltanet": Case("deltanet", {"chunk_size": 16}),
+    "gated_deltanet": Case("gated_deltanet", {"chunk_size": 16}),
+    "gated_deltanet_no_conv": Case("gated_deltanet", {"chunk_size": 16, "conv_size": 1}),
 }
 
 
 # A whole LM whose layers run every sequence-parallel mixer in turn, scored by its own fused loss: the embedding,
 # norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange.
-MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine"]
+MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "gated_deltanet"]
 
 
 def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
@@ -53,7 +57,8 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              "model.mixer_options.linear.chunk_size=16", "model.mixer_options.inline.chunk_size=16",
                              "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
                              "model.mixer_options.aft_local.chunk_size=16",
-                             "model.mixer_options.aft_simple.chunk_size=16"])
+                             "model.mixer_options.aft_simple.chunk_size=16",
+                             "model.mixer_options.gated_deltanet.chunk_size=16"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():
