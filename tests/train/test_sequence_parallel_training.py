@@ -1,6 +1,7 @@
 """Training with each row split across ranks equals training on whole rows: real DeepSpeed runs on gloo ranks.
 
-A hybrid LM (a linear layer and a softmax layer, so both the state exchange and Ulysses run) trains for a few
+A hybrid LM (a linear layer and a softmax layer, so both the state exchange and Ulysses run; and Gated DeltaNet's
+3:1 hybrid) trains for a few
 steps of two accumulated micro-batches. With ``parallel.sequence_parallel=2`` on 2 ranks the pair reads the rows
 one rank reads alone, so the global batch is the same: losses, gradient norms, validation losses and final weights
 must match one rank's to 1e-5 (fp32; the sums run in another order), under ZeRO 0, 2 and 3 (with activation
@@ -20,10 +21,17 @@ pytestmark = pytest.mark.dist
 STEPS = 4
 
 
-def overrides(lm_data, run_dir, *, stage=0, sp=1, **extra):
+# the models trained: the linear hybrid, and Gated DeltaNet's 3:1 hybrid (state maps and conv edges across ranks)
+MODELS = {
+    "linear": dict(model__layer_pattern="[linear,softmax]", model__mixer_options__linear__chunk_size=16),
+    "gdn_hybrid": dict(model__layer_pattern="[gated_deltanet,gated_deltanet,gated_deltanet,softmax]",
+                       model__n_layers=4, model__mixer_options__gated_deltanet__chunk_size=16),
+}
+
+
+def overrides(lm_data, run_dir, *, stage=0, sp=1, model="linear", **extra):
     return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, parallel__sequence_parallel=sp,
-                          model__layer_pattern="[linear,softmax]", model__mixer_options__linear__chunk_size=16,
-                          train__seq_len=96, train__grad_accum_steps=2, train__max_steps=STEPS,
+                          **MODELS[model], train__seq_len=96, train__grad_accum_steps=2, train__max_steps=STEPS,
                           schedule__warmup_steps=1, log__val_every=2, log__val_batches=4,
                           checkpoint__every=2, optim__eps=1e-6, **extra)
 # optim.eps: Adam divides each coordinate's step by its own gradient scale, so with the default 1e-8 a coordinate
@@ -37,12 +45,12 @@ def runs(lm_data, tmp_path_factory):
     """``runs(ranks, sp, stage)``: the directory of a finished run (each launched once)."""
     root, done = tmp_path_factory.mktemp("sp_runs"), {}
 
-    def get(ranks: int, sp: int, stage: int = 0):
-        key = (ranks, sp, stage)
+    def get(ranks: int, sp: int, stage: int = 0, model: str = "linear"):
+        key = (ranks, sp, stage, model)
         if key not in done:
-            run = root / f"r{ranks}_sp{sp}_z{stage}"
+            run = root / f"{model}_r{ranks}_sp{sp}_z{stage}"
             recompute = {"deepspeed__activation_checkpointing": "true"} if stage == 3 else {}  # collectives replayed
-            launch(overrides(lm_data, run, stage=stage, sp=sp, **recompute), ranks=ranks)
+            launch(overrides(lm_data, run, stage=stage, sp=sp, model=model, **recompute), ranks=ranks)
             done[key] = run
         return done[key]
 
@@ -68,6 +76,11 @@ def assert_same_training(run, reference, stage, ref_stage=0):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_two_sequence_ranks_train_as_one_rank(runs, stage):
     assert_same_training(runs(2, 2, stage), runs(1, 1), stage)
+
+
+def test_the_gated_deltanet_hybrid_on_two_sequence_ranks_trains_as_one_rank(runs):
+    """ZeRO 2; the delta rule's state maps and convolution edges cross the slice boundary of 48 tokens."""
+    assert_same_training(runs(2, 2, 2, "gdn_hybrid"), runs(1, 1, 0, "gdn_hybrid"), 2)
 
 
 def test_data_and_sequence_parallel_on_four_ranks_train_as_data_parallel_on_two(runs):
