@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.delta_rule import delta_rule
+from ..ops.precision import upcast
 from .base import Mixer
 from .common import token_positions
 from .norm import RMSNorm
@@ -86,8 +87,9 @@ class DeltaNet(Mixer):
         inputs = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         beta = torch.sigmoid(self.beta_proj(x))
         g = None
-        if self.gate:
-            g = -self.A_log.exp() * F.softplus(self.decay_proj(x) + self.dt_bias)
+        if self.gate:  # in fp32 at least: the op sums it over a chunk, where bf16's rounding would add up
+            decay = upcast(self.decay_proj(x))[0]
+            g = -self.A_log.to(decay.dtype).exp() * F.softplus(decay + self.dt_bias.to(decay.dtype))
         return inputs, beta, g
 
     def _features(self, inputs, before, positions):
