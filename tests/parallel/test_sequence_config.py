@@ -24,6 +24,8 @@ def config(*overrides):
       "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the causal convolution's reach (7"),
     (["model.mixer=aft_local", "model.mixer_options.aft_local.window=8", "train.seq_len=8",
       "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the band's reach (7"),
+    (["model.mixer=gated_deltanet", "model.mixer_options.gated_deltanet.conv_size=8", "train.seq_len=8",
+      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the short convolution's reach (7"),
     (["model.layer_pattern=[linear,aft_full]", "model.mixer_options.aft_full.max_seq_len=64",
       "parallel.sequence_parallel=2"], "mixer 'aft_full' cannot split rows into 2 slices"),
 ])
