@@ -33,6 +33,14 @@ CASES = {
     "efficient": Case("efficient", {"chunk_size": 16}),
     "aft_simple": Case("aft_simple", {"chunk_size": 16}),
     "aft_local": Case("aft_local", {"chunk_size": 16, "window": 5}),
+    # short convolutions: the K − 1 inputs before a slice come in the states' packet (one variant per mixer; at
+    # N = 4 the 12-token slices just hold InLine's 3 + 3 and AFT-local's 4 + 3 halo tokens)
+    "linear_short_conv": Case("linear", {"chunk_size": 16, "short_conv": 4}),
+    "cosine_short_conv": Case("cosine", {"chunk_size": 16, "short_conv": 3}),
+    "inline_short_conv": Case("inline", {"chunk_size": 16, "conv_size": 4, "short_conv": 4}),
+    "efficient_short_conv": Case("efficient", {"chunk_size": 16, "short_conv": 4}),
+    "aft_simple_short_conv": Case("aft_simple", {"chunk_size": 16, "short_conv": 4}),
+    "aft_local_short_conv": Case("aft_local", {"chunk_size": 16, "window": 5, "short_conv": 4}),
 }
 
 
