@@ -6,7 +6,9 @@ branch on V added before the output projection:
 - vision (non-causal, ``hw=(H, W)`` given to ``forward``): the paper's *dynamic* depthwise 3×3 convolution on the
   image grid, its kernel made per sample from the token mean by two grouped 1×1 convolutions;
 - causal LM: a static causal depthwise 1-D convolution of ``conv_size`` taps (a dynamic kernel would see the
-  future), which stops at document starts.
+  future), which stops at document starts (``short_conv.causal_depthwise_conv``).
+With ``short_conv`` (off by default, as in every linear-state mixer) q, k, v are convolved before all this, so the
+local branch reads the convolved values.
 """
 import math
 
@@ -51,7 +53,7 @@ class InLineAttention(Mixer):
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         """``hw=(H, W)``: the image grid of the tokens, needed by the non-causal local branch."""
         batch, seq_len, _ = x.shape
-        if self.causal and position_ids is None:
+        if self.local and self.causal and position_ids is None:
             # the model's position_ids already say where documents start; deriving them from cu_seqlens would
             # need ops with data-dependent shapes, a graph break under torch.compile
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)

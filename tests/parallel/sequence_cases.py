@@ -45,7 +45,8 @@ CASES = {
 
 
 # A whole LM whose layers run every sequence-parallel mixer in turn, scored by its own fused loss: the embedding,
-# norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange.
+# norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange (cosine's with its
+# short convolutions' halo).
 MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine"]
 
 
@@ -61,7 +62,7 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              "model.mixer_options.linear.chunk_size=16", "model.mixer_options.inline.chunk_size=16",
                              "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
                              "model.mixer_options.aft_local.chunk_size=16",
-                             "model.mixer_options.aft_simple.chunk_size=16"])
+                             "model.mixer_options.aft_simple.chunk_size=16", "model.mixer_options.cosine.short_conv=4"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():
