@@ -41,11 +41,10 @@ class Mixer(nn.Module):
         if short_conv:
             self.q_conv, self.k_conv, self.v_conv = (ShortConvolution(dim, short_conv) for _ in range(3))
 
-    def qkv(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            ) -> tuple[torch.Tensor, ...]:
-        """The op's q, k, v of ``x [B, T, C]`` (projected, convolved, ``features``), laid out by ``split`` (packed
-        with ``cu_seqlens``).
-        ``position_ids [B, T]`` tell the short convolutions where documents start (from ``cu_seqlens`` if None)."""
+    def qkv(self, x: torch.Tensor, *, cu_seqlens=None, position_ids=None) -> tuple[torch.Tensor, ...]:
+        """The op's q, k, v of ``x [B, T, C]``: projected, convolved, laid out by ``split`` (packed with
+        ``cu_seqlens``), through ``features``. ``position_ids [B, T]`` tell the short convolutions where documents
+        start (derived from ``cu_seqlens`` when None)."""
         if self.short_conv and position_ids is None and cu_seqlens is not None:
             position_ids = token_positions(x.shape[0], x.shape[1], cu_seqlens, x.device)
         convolved = self.convolved(self.projections(x), position_ids)
