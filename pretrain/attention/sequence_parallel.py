@@ -9,7 +9,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..ops.delta_rule import delta_rule
 from ..ops.delta_rule.state import combine_transitions, transition_of_tokens
 from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
 from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
@@ -17,13 +16,14 @@ from ..parallel.sequence import Combine, SliceLayout
 
 
 def entering_states(handed_on: Sequence[torch.Tensor], layout: SliceLayout, shard: SequenceShard, combine: Combine,
-                    empty: Sequence[float], num_docs: int, *, shared: Sequence[torch.Tensor] = ()
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                    empty: Sequence[float], num_docs: int, *, shared: Sequence[torch.Tensor] = (),
+                    first_states: Callable | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``([N, ...] per state field, one row per packed document; [size, ...] per shared tensor)``.
 
     ``empty`` is each field's value before any token (0 for sums, −∞ for running maxima and log-normalizers).
     """
-    entering, shared = exchange_with_earlier_ranks(handed_on, layout, shard, combine, shared=shared)
+    entering, shared = exchange_with_earlier_ranks(handed_on, layout, shard, combine, shared=shared,
+                                                   first_states=first_states)
     per_document = []
     for field, fill in zip(entering, empty):
         continues = layout.continues.view(-1, *([1] * (field.dim() - 1)))
@@ -40,18 +40,29 @@ def from_previous_rank(gathered: torch.Tensor, shard: SequenceShard) -> torch.Te
 
 def states_entering_slice(k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard, *,
                           state_of: Callable, combine: Combine, empty: Sequence[float], num_docs: int,
-                          shared: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                          shared: Sequence[torch.Tensor] = (), convolutions: "SliceConvolutions | None" = None,
+                          riders: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """For an op on a slice (``k``, ``v`` packed ``[1, B·T, ...]``, ``position_ids [B, T]``): the initial state of
     each packed document, from ``state_of(k, v, mask)`` (the state of the masked tokens of each row ``[B, T, ...]``,
-    as a list of fields) and the op's ``combine``; and the gathered ``shared`` tensors."""
+    as a list of fields) and the op's ``combine``; and the gathered ``shared`` tensors (followed, with
+    ``convolutions``, by the gathered ``convolutions.packet``, which ``convolutions.final`` reads). ``riders``:
+    per-token tensors ``[B, T, ...]`` beside k and v that the state reads (the delta rule's β and g), handed to
+    ``state_of(k, v, mask, *riders)``; with ``convolutions`` their first tokens travel in the packet too."""
     layout = slice_layout(position_ids)
     rows = position_ids.shape
-    handed_on = state_of(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), layout.tail)
-    return entering_states(handed_on, layout, shard, combine, empty, num_docs, shared=shared)
+    first_states = None
+    if convolutions is not None:
+        first_states = convolutions.first_states_from(len(shared), state_of)
+        shared = [*shared, *convolutions.packet(layout.tail, riders)]
+    tail = layout.tail if convolutions is None else convolutions.own(layout.tail)
+    handed_on = state_of(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), tail, *riders)
+    return entering_states(handed_on, layout, shard, combine, empty, num_docs, shared=shared,
+                           first_states=first_states)
 
 
 def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard,
-                              normalize: str, num_docs: int, *, shared: Sequence[torch.Tensor] = ()
+                              normalize: str, num_docs: int, *, shared: Sequence[torch.Tensor] = (),
+                              convolutions: "SliceConvolutions | None" = None
                               ) -> tuple[LinearAttentionState, list[torch.Tensor]]:
     """``states_entering_slice`` for linear attention: sums, whose empty state is zeros."""
 
@@ -64,43 +75,82 @@ def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: to
 
     fields = len(FIELDS[normalize])
     initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
-                                            empty=[0.0] * fields, num_docs=num_docs, shared=shared)
+                                            empty=[0.0] * fields, num_docs=num_docs, shared=shared,
+                                            convolutions=convolutions)
     return LinearAttentionState(*initial), shared
 
 
-def delta_rule_entering(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-                        position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, inputs: torch.Tensor,
-                        halo: int, features: Callable, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The delta rule's initial state per packed document of the slice ``[N, H, D, Dv]``, and the ``halo`` inputs
-    before each row ``[B, halo, C']`` for its short convolution; one all-gather.
+class SliceConvolutions:
+    """A mixer's short convolutions of q, k, v on a sequence slice, sharing the all-gather that carries the states.
 
-    ``k, v [B, T, H, *]`` are the slice's features made without a halo, ``beta, g [B, T, H]``, ``inputs [B, T, C']``
-    the convolution's inputs, ``features(inputs, before, positions) → (k, v)`` the mixer's convolution and norms.
-    A row's first ``halo`` tokens of a document begun earlier need the previous rank's last inputs, so each rank hands
-    on the pair ``(S, M)`` of its tail document without them, its first ``halo`` inputs (with β, g and positions) and
-    its last ``halo`` inputs; folding rank j, a later rank makes j's first tokens from j−1's last inputs, steps the
-    state through them, then applies j's pair. Only ``S`` enters the op: ``M`` of the empty state (the identity) is
-    never read, so every field's fill is 0.
+    A token's convolution reads the ``K − 1`` inputs before it, so a slice's first ``K − 1`` tokens read the previous
+    rank's last ones (its halo), which arrive only with that all-gather. Before it, the convolutions run with a zero
+    halo (``early``: right from token ``K − 1`` on), and the slice hands on the state of its tail without its first
+    ``K − 1`` tokens (``own``). Their inputs travel in the packet beside the halo (``packet``), and every rank
+    computes every earlier rank's state of them from the gathered copies (``first_states_from``), put in front of
+    that rank's state before the fold. After it, ``final`` runs the convolutions again with the real halo.
     """
-    layout = slice_layout(position_ids)
-    if g is None:
-        g = torch.zeros_like(beta)
-    offsets = torch.arange(position_ids.shape[1], device=position_ids.device)
-    local = layout.tail & ((offsets >= halo)[None] | layout.resets[:, None])  # features exact without a halo
-    S, M = transition_of_tokens(k, v, beta, g, local, chunk_size=chunk_size)
-    lead = [inputs[:, :halo], beta[:, :halo], g[:, :halo], position_ids[:, :halo]]
 
-    def then_slice(earlier, later):
-        """The state after ``earlier``'s slice, carried through ``later``'s (its last inputs ride along)."""
-        S_e, M_e, last_e = earlier[:3]
-        S_l, M_l, last_l, lead_inputs, lead_beta, lead_g, lead_positions = later
-        S_mid = S_e
-        if halo:
-            lead_k, lead_v = features(lead_inputs, last_e, lead_positions.long())
-            _, S_mid = delta_rule(lead_k, lead_k, lead_v, lead_beta, lead_g, initial_state=S_e,
-                                  output_final_state=True, impl="recurrent")
-        return [*combine_transitions((S_mid, M_e), (S_l, M_l)), last_l, *later[3:]]
+    def __init__(self, mixer, x: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard):
+        self.mixer, self.position_ids, self.shard = mixer, position_ids, shard
+        self.reach = max(mixer.short_conv - 1, 0)
+        self.inputs = mixer.projections(x)
+        self.early = mixer.convolved(self.inputs, position_ids)
 
-    fields, _ = entering_states([S, M, inputs[:, inputs.shape[1] - halo:], *lead], layout, shard, then_slice,
-                                [0.0] * 7, num_docs)
-    return fields[0], fields[2][layout.first_doc]
+    def own(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask [B, T]`` without the first ``K − 1`` tokens, whose state the ranks after compute."""
+        return mask & (torch.arange(mask.shape[1], device=mask.device) >= self.reach)
+
+    def packet(self, tail: torch.Tensor, riders: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
+        """What the all-gather carries: the first and the last ``K − 1`` inputs of q, k and v, and the first tokens'
+        positions, whether they belong to the tail (the document the slice hands on) and their ``riders``."""
+        first, last = slice(0, self.reach), slice(tail.shape[1] - self.reach, tail.shape[1])
+        return [*(t[:, first] for t in self.inputs), *(t[:, last] for t in self.inputs),
+                self.position_ids[:, first], tail[:, first], *(r[:, first] for r in riders)]
+
+    def first_states_from(self, offset: int, state_of: Callable) -> Callable | None:
+        """``exchange_with_earlier_ranks``' ``first_states`` when ``packet`` follows ``offset`` shared tensors: every
+        rank's state of its first tokens of its tail, convolved with the halo of the rank before it (rank 0 with its
+        own, which its positions never reach: its rows start documents)."""
+        if not self.reach:
+            return None
+
+        def first_states(gathered: list[torch.Tensor]) -> list[torch.Tensor]:
+            packet = gathered[offset:]
+            size, batch = packet[0].shape[:2]
+            halos = [torch.cat([last[:1], last[:-1]]).flatten(0, 1) for last in packet[3:6]]
+            convolved = self.mixer.convolved([first.flatten(0, 1) for first in packet[:3]],
+                                             packet[6].flatten(0, 1).long(), halos)
+            _, k, v = self.mixer.features(*self.mixer.split(convolved))
+            fields = state_of(k, v, packet[7].flatten(0, 1) > 0.5, *(r.flatten(0, 1) for r in packet[8:]))
+            return [field.unflatten(0, (size, batch)) for field in fields]
+
+        return first_states
+
+    def final(self, gathered_packet: list[torch.Tensor]) -> list[torch.Tensor]:
+        """q, k, v ``[B, T, C]`` convolved with the previous rank's halo, from the gathered ``packet``."""
+        if not self.reach:
+            return self.early
+        halos = [from_previous_rank(last, self.shard) for last in gathered_packet[3:6]]
+        return self.mixer.convolved(self.inputs, self.position_ids, halos)
+
+
+def delta_rule_entering(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+                        position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, chunk_size: int,
+                        convolutions: "SliceConvolutions | None" = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``states_entering_slice`` for the delta rule (``beta``, ``g`` rows ``[B, T, H]`` ride beside k and v): the
+    state per packed document ``[N, H, D, Dv]``, and the gathered shared tensors.
+
+    What a slice hands on is the pair ``(S, M)``, the map ``S_in ↦ M S_in + S`` of its tail
+    (``ops/delta_rule/state.py``), and pairs compose as maps. Only ``S`` enters the op: ``M`` of the empty state (the
+    identity) is never read, so both fills are 0.
+    """
+
+    def state_of(k, v, mask, beta, g):
+        return list(transition_of_tokens(k, v, beta, g, mask, chunk_size=chunk_size))
+
+    riders = [beta, torch.zeros_like(beta) if g is None else g]
+    (initial, _), shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of,
+                                                 combine=combine_transitions, empty=[0.0, 0.0], num_docs=num_docs,
+                                                 convolutions=convolutions, riders=riders)
+    return initial, shared
