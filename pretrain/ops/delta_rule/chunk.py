@@ -16,13 +16,12 @@ Packed documents share chunks as in linear attention: Γ is masked to one docume
 document), the tokens of a chunk's first document read the carried state, and a document that begins inside a
 chunk reads its own initial state there (a gather of its few tokens).
 
-Memory: the chunks are walked in blocks, each under ``torch.utils.checkpoint``, so backward keeps per block only
-its inputs (q, k, v, β, g, already held by the caller; fp32 copies for bf16) and the state entering it, and
-recomputes the block's C×C factors, Δ and chunk states once. Plain autograd through the solve would keep C-wide
+Memory: the chunks are walked in blocks, each run without autograd and recomputed once in backward
+(``_Recomputed``), so backward keeps per block only its inputs (q, k, v, β, g, already held by the caller; fp32
+copies for bf16) and the state entering it. Plain autograd through the solve would keep C-wide
 rows of the C×C factors and W, U, Δ per token and head besides: 7× the inputs at C = Dk = Dv = 64 (MIXERS.md).
 """
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..linear_attention.chunk import BLOCK_ELEMENTS, _Chunks
 from ..linear_attention.runs import gather_runs
@@ -45,21 +44,49 @@ def delta_rule_chunk(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fina
     initial = torch.cat([given, zeros])  # row N: what follows the last document
     state = initial[layout.first_doc]
     saving = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, beta, g, initial))
+    blocks = layout.blocks(heads, max(dk, v.shape[-1]))
+    sizes = [min(hi * chunk_size, total) - lo * chunk_size for lo, hi in blocks]
+    pieces = zip(*(x.split(sizes) for x in (q, k, v, beta, g)))  # one gradient buffer each in backward
     outputs, finals = [], []
-    for lo, hi in layout.blocks(heads, max(dk, v.shape[-1])):
-        args = (q, k, v, beta, g, state, initial, initial_state is not None, output_final_state, layout, lo, hi)
-        o, state, final = checkpoint(_block, *args, use_reentrant=False) if saving else _block(*args)
+    for (lo, hi), piece in zip(blocks, pieces):
+        settings = (initial_state is not None, output_final_state, layout, lo, hi)
+        o, state, *final = _Recomputed.apply(settings, *piece, state, initial) if saving else _block(
+            *piece, state, initial, *settings)
         outputs.append(o)
-        finals.append(final)
+        finals += final
     o = torch.cat(outputs)[:total].view(batch, length, heads, -1).to(dtype)
     return (o, torch.cat(finals)) if output_final_state else o
 
 
+class _Recomputed(torch.autograd.Function):
+    """A block of chunks run without autograd; backward runs it again with autograd and differentiates that, so its
+    C×C factors, Δ and chunk states exist only during its own backward. (``torch.utils.checkpoint``'s non-reentrant
+    form kept 4× the memory through the forward at T = 16k; the reentrant one refuses ``torch.autograd.grad``.)"""
+
+    @staticmethod
+    def forward(ctx, settings, *tensors):
+        ctx.settings = settings
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        return _block(*tensors, *settings)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        tensors = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
+        with torch.enable_grad():
+            outputs = _block(*tensors, *ctx.settings)
+        used = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
+        wanted = [t for t in tensors if t.requires_grad]
+        found = iter(torch.autograd.grad([out for out, _ in used], wanted, [grad for _, grad in used],
+                                         allow_unused=True) if used and wanted else [None] * len(wanted))
+        return None, *(next(found) if t.requires_grad else None for t in tensors)
+
+
 def _block(q, k, v, beta, g, entering, initial, has_initial, want_final, layout: "_Layout", lo: int, hi: int):
-    """Chunks ``lo … hi-1`` from ``entering`` (the state of chunk lo's first document before it) →
-    (their outputs as ``[(hi − lo)·C, H, Dv]`` rows, the state entering chunk hi, the final states of the documents
-    ending in them when ``want_final``)."""
-    Q, K, V, B, G = (layout.split(x, lo, hi) for x in (q, k, v, beta, g))  # [n, H, C, *]
+    """Chunks ``lo … hi-1`` (their tokens ``q, k, v, beta, g``, ``[≤ (hi − lo)·C, H, *]``) from ``entering`` (the
+    state of chunk lo's first document before it) → their outputs as ``[(hi − lo)·C, H, Dv]`` rows, the state
+    entering chunk hi and, when ``want_final``, the final states of the documents ending in them."""
+    Q, K, V, B, G = (layout.split(x, 0, hi - lo) for x in (q, k, v, beta, g))  # [n, H, C, *]
     B, G = B[..., 0], G[..., 0]
     same_doc = layout.mask[lo:hi]  # [n, 1, C, C]: causal and one document
     reads = layout.reads_state[lo:hi]  # [n, 1, C, 1]: the token continues the chunk's first document
@@ -92,8 +119,9 @@ def _block(q, k, v, beta, g, entering, initial, has_initial, want_final, layout:
     out = (QD * reads) @ states + (Q @ K.mT * decay) @ delta
     if has_initial:
         out = out + own_reads[:, :, :, 1]
-    final = _final_states(K, D, delta, states, initial, layout, lo, hi) if want_final else None
-    return _rows(out), state, final
+    if not want_final:
+        return _rows(out), state
+    return _rows(out), state, _final_states(K, D, delta, states, initial, layout, lo, hi)
 
 
 def _exp_where(mask: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
