@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.cli_help import HelpFormatter
-from pretrain.ops import linear_attention, softmax_attention
+from pretrain.ops import delta_rule, linear_attention, softmax_attention
 from pretrain.ops.precision import DTYPES
 
 import benchlib  # tools/, beside this script
@@ -35,7 +36,12 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "linear_naive": lambda q, k, v: linear_attention(q, k, v, impl="naive"),
     "linear_triton": lambda q, k, v: linear_attention(q, k, v, impl="triton"),
     "fla_chunk": lambda q, k, v: fla_chunk_linear_attn(q, k, v),
+    "delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0])),
+    "gated_delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
+                                                   F.logsigmoid(v[..., 1])),
 }
+# The delta rule's β and log-gate are read off two channels of v (differentiable, so backward reaches them; the
+# values do not change the work), its keys L2-normalized as the mixers do.
 
 
 def fla_chunk_linear_attn(q, k, v):
