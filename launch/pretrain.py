@@ -60,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.data import ShardError
     from pretrain.distributed.build_locks import StaleLockError
     from pretrain.train import CheckpointError, NonFiniteLossError, RankLostError, train
+    from pretrain.train.run_lock import RunDirLockedError
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         train(cfg)
-    except (ConfigError, StaleLockError) as err:  # every rank finds the same: said once
+    except (ConfigError, StaleLockError, RunDirLockedError) as err:  # every rank finds the same: said once
         if rank == 0:
             print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         return 1

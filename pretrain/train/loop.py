@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from itertools import chain
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -29,7 +30,7 @@ from pretrain.distributed.engine import step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.tasks import build_task
 
-from . import checkpoint
+from . import checkpoint, run_lock
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from .preemption import StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
@@ -125,6 +126,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg, t = cfg, cfg.train
         self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
+        lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
         self.run_dir = prepare_run_dir(cfg, self.world.is_main)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.task = build_task(cfg, self.world)
@@ -146,6 +148,8 @@ class Trainer:
         self.engine = build_engine(cfg, model, self.world.world_size, schedule)
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main)
+        if lock_note:
+            self.writer.print(lock_note)
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
         self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
