@@ -35,6 +35,7 @@ from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from .preemption import StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
+from .run_tokenizer import pin_tokenizer
 from .schedule import lr_at
 
 
@@ -127,6 +128,8 @@ class Trainer:
         self.cfg, t = cfg, cfg.train
         self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
         lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
+        pin_tokenizer(Path(cfg.run.dir), cfg.data.tokenizer, is_main=self.world.is_main,
+                      resuming=checkpoint.latest_tag(Path(cfg.run.dir) / "checkpoints") is not None)
         self.run_dir = prepare_run_dir(cfg, self.world.is_main)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.task = build_task(cfg, self.world)
