@@ -32,7 +32,7 @@ from pretrain.tasks import build_task
 
 from . import checkpoint, run_lock
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
-from .preemption import StopRequest, held_from_child_processes
+from .preemption import PREEMPTED, StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
 from .run_tokenizer import pin_tokenizer
@@ -239,9 +239,10 @@ class Trainer:
                           f"{values['train/flops_per_s_per_rank'] / 1e12:.3f} TFLOP/s/rank{mfu} | "
                           f"epoch {self.task.epoch}")
 
-    def run(self) -> None:
-        """Train until ``train.max_steps`` or a stop signal. The data loader's workers are stopped on the way out,
-        error or not: left running, a worker kept a failed run waiting on it at exit."""
+    def run(self) -> bool:
+        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save). The
+        data loader's workers are stopped on the way out, error or not: left running, a worker kept a failed run
+        waiting on it at exit."""
         self.writer.print(f"step {self.counters.step}: opening the training shards "
                           f"(data.num_workers={self.cfg.data.num_workers})")
         with StopRequest() as stop:
@@ -249,10 +250,11 @@ class Trainer:
                 loader = self.task.batches()
                 first = next(loader)
             with contextlib.closing(loader):
-                self._steps(stop, chain([first], loader))
+                stopped = self._steps(stop, chain([first], loader))
         self.writer.close()
+        return stopped
 
-    def _steps(self, stop: StopRequest, batches) -> None:
+    def _steps(self, stop: StopRequest, batches) -> bool:
         cfg, c, world = self.cfg, self.counters, self.world
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
@@ -278,18 +280,20 @@ class Trainer:
             if validating or saving:
                 self.throughput.restart()
             if stopping:
-                self.writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {c.step}; "
-                                  "relaunch the same command to resume")
-                break
+                self.writer.print(f"stopped by {stop.reason or 'a signal on another rank'} at step {c.step}; "
+                                  f"relaunch the same command to resume (exit code {PREEMPTED})")
+                return True
+        return False
 
 
-def train(cfg: DictConfig) -> None:
-    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
+def train(cfg: DictConfig) -> bool:
+    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint; return
+    whether a stop signal ended it early (saved: ``launch/pretrain.py`` exits with ``PREEMPTED``)."""
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.resume()
-        trainer.run()
+        return trainer.run()
     except Exception as err:
         # A dead rank shows here as a failed collective, or as the launcher's SIGTERM to this rank's loader worker
         # (DeepSpeed's launcher terminates every process it started): either way, its death is the news.
