@@ -15,7 +15,10 @@ RECORD = "tokenizer.json"
 
 
 def _describe(tokenizer_path: str) -> dict:
-    tokenizer = Tokenizer(str(tokenizer_path))
+    try:
+        tokenizer = Tokenizer(str(tokenizer_path))
+    except (OSError, ValueError) as err:  # missing, or not a sentencepiece model
+        raise ConfigError("data.tokenizer", str(err)) from None
     return {"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size}
 
 
