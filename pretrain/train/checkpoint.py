@@ -228,12 +228,13 @@ def init_weights(model: torch.nn.Module, source: str) -> Path:
     except (OSError, ValueError) as err:  # a missing or broken source; its config (ConfigError is a ValueError)
         raise ConfigError("train.init_from", f"cannot load {source}: {err}") from None
     theirs, ours = trained.state_dict(), model.state_dict()
-    shape = lambda t: "absent" if t is None else f"shape {list(t.shape)}"
     for name in [*ours, *(name for name in theirs if name not in ours)]:
         mine, found = ours.get(name), theirs.get(name)
         if mine is None or found is None or mine.shape != found.shape:
-            raise ConfigError("train.init_from", f"parameter {name} has {shape(found)} in {where} but {shape(mine)} "
-                                                 "in this run's model: the architectures differ; make model.* (and "
-                                                 "the vocabulary) match the source's")
+            in_source = "is absent" if found is None else f"has shape {list(found.shape)}"
+            in_run = "is absent" if mine is None else f"{'has ' if found is None else ''}shape {list(mine.shape)}"
+            raise ConfigError("train.init_from", f"parameter {name} {in_source} in {where} but {in_run} in this "
+                                                 "run's model: the architectures differ; make model.* (and the "
+                                                 "vocabulary) match the source's")
     model.load_state_dict(theirs)
     return where
