@@ -56,7 +56,7 @@ class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps 
 class DataConfig:
     tokenizer: str | None = MISSING  # PREFIX.model, a sentencepiece model (task lm; a vision run needs none)
     # a shard pattern (brace expansion, http(s):// ok), a list of patterns read as one, or a mixture (task lm): a list
-    # of {shards: PATTERN, weight: W > 0}, documents drawn by weight (task recall generates its rows: none)
+    # of {shards: PATTERN, weight: W > 0}, shared out by weight (mix_by) (task recall generates its rows: none)
     train_shards: Any = MISSING
     # a mixture's weights share out: tokens (as NeoX and OLMo weigh them) or documents; a source's optional
     # `name:` (letters, digits, _ and -) names its counts in the metrics: train/<name>_tokens (default source<i>)
