@@ -295,8 +295,8 @@ def train(cfg: DictConfig) -> bool:
         trainer.resume()
         return trainer.run()
     except Exception as err:
-        # A dead rank shows here as a failed collective, or as the launcher's SIGTERM to this rank's loader worker
-        # (DeepSpeed's launcher terminates every process it started): either way, its death is the news.
+        # A dead rank shows here as a failed collective (the launcher's SIGTERM to this rank and its loader workers
+        # is a stop request, and ignored by the workers): its death is the news.
         if trainer is None or trainer.world.world_size == 1:
             raise
         gone = gone_ranks(trainer.world, wait_s=3.0 if lost_a_rank(err) else 0.0)
