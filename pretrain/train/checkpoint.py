@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from ..atomic import atomic_path
 from ..config import ConfigError
@@ -23,6 +24,7 @@ from ..distributed.process_group import lost_a_rank
 from ..models.pretrained import CONFIG, TOKENIZER, WEIGHTS, is_export, load_pretrained, read_export_config
 from ..tasks import build_model
 from ..tasks.config_checks import load_run_config
+from .run_tokenizer import check_tokenizer
 
 TAG = re.compile(r"step(\d{8})")
 COMPLETE = "complete"  # marker file: every rank's files of the tag are on disk
@@ -181,11 +183,15 @@ def trained_config(path: Path):
             tokenizer = path / TOKENIZER
             if not tokenizer.is_file():
                 raise FileNotFoundError(f"{tokenizer} is missing: export the run again")
+            check_tokenizer(path, str(tokenizer))
             overrides = [f"data.tokenizer={tokenizer}"]
         return load_run_config(path / CONFIG, overrides)
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a run directory (no {path / 'config.yaml'}) nor an exported "
                                 f"model (no {path / WEIGHTS})")
+    tokenizer = OmegaConf.load(path / "config.yaml").get("data", {}).get("tokenizer")
+    if tokenizer:  # before the config's checks read it
+        check_tokenizer(path, tokenizer)
     return load_run_config(path / "config.yaml")
 
 
@@ -222,12 +228,13 @@ def init_weights(model: torch.nn.Module, source: str) -> Path:
     except (OSError, ValueError) as err:  # a missing or broken source; its config (ConfigError is a ValueError)
         raise ConfigError("train.init_from", f"cannot load {source}: {err}") from None
     theirs, ours = trained.state_dict(), model.state_dict()
-    shape = lambda t: "absent" if t is None else f"shape {list(t.shape)}"
     for name in [*ours, *(name for name in theirs if name not in ours)]:
         mine, found = ours.get(name), theirs.get(name)
         if mine is None or found is None or mine.shape != found.shape:
-            raise ConfigError("train.init_from", f"parameter {name} has {shape(found)} in {where} but {shape(mine)} "
-                                                 "in this run's model: the architectures differ; make model.* (and "
-                                                 "the vocabulary) match the source's")
+            in_source = "is absent" if found is None else f"has shape {list(found.shape)}"
+            in_run = "is absent" if mine is None else f"{'has ' if found is None else ''}shape {list(mine.shape)}"
+            raise ConfigError("train.init_from", f"parameter {name} {in_source} in {where} but {in_run} in this "
+                                                 "run's model: the architectures differ; make model.* (and the "
+                                                 "vocabulary) match the source's")
     model.load_state_dict(theirs)
     return where

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from ..atomic import atomic_path
 from ..models.pretrained import CONFIG, TOKENIZER, WEIGHTS
 from .checkpoint import load_trained_model
+from .run_tokenizer import record_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -37,6 +38,7 @@ def export_run(run: Path, out: Path, *, tag: str = "latest", dtype: str = "fp32"
     if cfg.data.tokenizer:  # the copy beside the weights; load_trained_model points data.tokenizer at it
         with atomic_path(out / TOKENIZER) as tmp:
             shutil.copyfile(cfg.data.tokenizer, tmp)
+        record_tokenizer(out, str(out / TOKENIZER))  # the copy, pinned as the run's was
         config["data"]["tokenizer"] = TOKENIZER
     with atomic_path(out / CONFIG) as tmp:
         tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

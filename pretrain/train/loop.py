@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from itertools import chain
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -29,11 +30,12 @@ from pretrain.distributed.engine import step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.tasks import build_task
 
-from . import checkpoint
+from . import checkpoint, run_lock
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
-from .preemption import StopRequest, held_from_child_processes
+from .preemption import PREEMPTED, StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
+from .run_tokenizer import pin_tokenizer
 from .schedule import lr_at
 
 
@@ -125,6 +127,9 @@ class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg, t = cfg, cfg.train
         self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
+        lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
+        pin_tokenizer(Path(cfg.run.dir), cfg.data.tokenizer, is_main=self.world.is_main,
+                      resuming=checkpoint.latest_tag(Path(cfg.run.dir) / "checkpoints") is not None)
         self.run_dir = prepare_run_dir(cfg, self.world.is_main)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.task = build_task(cfg, self.world)
@@ -146,6 +151,8 @@ class Trainer:
         self.engine = build_engine(cfg, model, self.world.world_size, schedule)
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main)
+        if lock_note:
+            self.writer.print(lock_note)
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
         self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
@@ -232,9 +239,10 @@ class Trainer:
                           f"{values['train/flops_per_s_per_rank'] / 1e12:.3f} TFLOP/s/rank{mfu} | "
                           f"epoch {self.task.epoch}")
 
-    def run(self) -> None:
-        """Train until ``train.max_steps`` or a stop signal. The data loader's workers are stopped on the way out,
-        error or not: left running, a worker kept a failed run waiting on it at exit."""
+    def run(self) -> bool:
+        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save). The
+        data loader's workers are stopped on the way out, error or not: left running, a worker kept a failed run
+        waiting on it at exit."""
         self.writer.print(f"step {self.counters.step}: opening the training shards "
                           f"(data.num_workers={self.cfg.data.num_workers})")
         with StopRequest() as stop:
@@ -242,10 +250,11 @@ class Trainer:
                 loader = self.task.batches()
                 first = next(loader)
             with contextlib.closing(loader):
-                self._steps(stop, chain([first], loader))
+                stopped = self._steps(stop, chain([first], loader))
         self.writer.close()
+        return stopped
 
-    def _steps(self, stop: StopRequest, batches) -> None:
+    def _steps(self, stop: StopRequest, batches) -> bool:
         cfg, c, world = self.cfg, self.counters, self.world
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
@@ -271,21 +280,23 @@ class Trainer:
             if validating or saving:
                 self.throughput.restart()
             if stopping:
-                self.writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {c.step}; "
-                                  "relaunch the same command to resume")
-                break
+                self.writer.print(f"stopped by {stop.reason or 'a signal on another rank'} at step {c.step}; "
+                                  f"relaunch the same command to resume (exit code {PREEMPTED})")
+                return True
+        return False
 
 
-def train(cfg: DictConfig) -> None:
-    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
+def train(cfg: DictConfig) -> bool:
+    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint; return
+    whether a stop signal ended it early (saved: ``launch/pretrain.py`` exits with ``PREEMPTED``)."""
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.resume()
-        trainer.run()
+        return trainer.run()
     except Exception as err:
-        # A dead rank shows here as a failed collective, or as the launcher's SIGTERM to this rank's loader worker
-        # (DeepSpeed's launcher terminates every process it started): either way, its death is the news.
+        # A dead rank shows here as a failed collective (the launcher's SIGTERM to this rank and its loader workers
+        # is a stop request, and ignored by the workers): its death is the news.
         if trainer is None or trainer.world.world_size == 1:
             raise
         gone = gone_ranks(trainer.world, wait_s=3.0 if lost_a_rank(err) else 0.0)

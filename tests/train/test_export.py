@@ -198,6 +198,14 @@ def test_init_from_another_architecture_is_refused_naming_the_parameter_and_both
     assert not (tmp_path / "wider" / "checkpoints" / "latest").exists()
 
 
+def test_init_from_a_deeper_model_names_the_parameter_the_source_lacks(run, lm_data, tmp_path):
+    result = launch(init_overrides(lm_data, tmp_path / "deeper", run(0), model__n_layers=3), check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"config error: train.init_from: parameter layers.2.mixer_norm.weight is absent in "
+        f"{run(0) / 'checkpoints' / TAG} but has shape [64] in this run's model"), result.stderr[-3000:]
+
+
 def test_init_from_a_missing_directory_is_one_line_naming_it(lm_data, tmp_path):
     result = launch(init_overrides(lm_data, tmp_path / "run", tmp_path / "absent"), check=False)
     assert result.returncode == 1

@@ -64,3 +64,18 @@ def test_prepare_run_dir_refuses_to_change_a_run_with_checkpoints(tmp_path):
         prepare_run_dir(run(train__seq_len=64, train__max_steps=7, data__train_shards="other.tar"), is_main=True)
     assert error.value.key == "data.train_shards"
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
+
+
+def test_torch_extensions_are_built_per_virtual_environment_unless_the_user_says_where(tmp_path, monkeypatch):
+    """Environments sharing ~/.cache/torch_extensions rebuilt DeepSpeed's comm op for each other."""
+    import sys
+
+    from pretrain.distributed.process_group import use_extensions_dir
+
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    (tmp_path / "venv").mkdir()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert use_extensions_dir() == str(tmp_path / "venv" / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert use_extensions_dir() == str(tmp_path / "mine")
