@@ -63,6 +63,22 @@ def use_extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
+def build_comm_op() -> None:
+    """Build DeepSpeed's CPU comm op now, where ``use_extensions_dir`` puts it (``make setup`` calls this, so no
+    test or run pays the minute, or dies in the middle of it under a timeout). Nothing to build on CUDA."""
+    if torch.cuda.is_available():
+        return
+    extensions = use_extensions_dir()
+    check_build_locks()
+    if os.path.exists(os.path.join(extensions, COMM_OP, f"{COMM_OP}.so")):
+        return
+    print(f"building DeepSpeed's CPU comm op under {extensions} (about a minute, once per environment)", flush=True)
+    from deepspeed.accelerator import get_accelerator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
 def init_process_group() -> World:
     """Join the launcher's process group: nccl on CUDA, gloo on CPU.
 
