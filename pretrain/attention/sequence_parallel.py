@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..ops.decayed_linear_attention.state import combine_decayed_states, decayed_state_of_tokens
 from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
 from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
 from ..parallel.sequence import Combine, SliceLayout
@@ -64,3 +65,28 @@ def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: to
     initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
                                             empty=[0.0] * fields, num_docs=num_docs, shared=shared)
     return LinearAttentionState(*initial), shared
+
+
+def decayed_linear_attention_entering(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
+                                      shard: SequenceShard, normalize: str, num_docs: int, *,
+                                      shared: Sequence[torch.Tensor] = ()
+                                      ) -> tuple[LinearAttentionState, list[torch.Tensor]]:
+    """``states_entering_slice`` for decayed linear attention (g packed ``[1, B·T, H]`` like k): each slice hands on
+    its tail document's state and total log-decay, whose empty values are zeros; the log-decay is dropped once
+    folded."""
+    rows = position_ids.shape
+    g_rows = g.reshape(*rows, g.shape[-1])
+    fields = len(FIELDS[normalize])
+
+    def state_of(k, v, mask):
+        state, log_decay = decayed_state_of_tokens(k, v, g_rows, mask, normalize)
+        return [*state[:fields], log_decay]
+
+    def combine(earlier, later):
+        state, log_decay = combine_decayed_states((LinearAttentionState(*earlier[:-1]), earlier[-1]),
+                                                  (LinearAttentionState(*later[:-1]), later[-1]))
+        return [*state[:fields], log_decay]
+
+    initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
+                                            empty=[0.0] * (fields + 1), num_docs=num_docs, shared=shared)
+    return LinearAttentionState(*initial[:-1]), shared
