@@ -19,6 +19,7 @@ from .base import Mixer
 from .common import token_positions
 from .registry import register
 from .sequence_parallel import from_previous_rank, linear_attention_entering
+from .short_conv import causal_depthwise_conv
 
 
 @register("inline")
@@ -71,7 +72,7 @@ class InLineAttention(Mixer):
             # need ops with data-dependent shapes, a graph break under torch.compile
             if position_ids is None:
                 position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
-            o = o + self._causal_conv(v.reshape(batch, seq_len, self.dim), position_ids, before)
+            o = o + causal_depthwise_conv(v.reshape(batch, seq_len, self.dim), self.taps, position_ids, before)
         elif self.local:
             if hw is None or cu_seqlens is not None:
                 raise ValueError("the non-causal inline mixer convolves the image grid: pass hw=(H, W) and no "
@@ -90,25 +91,13 @@ class InLineAttention(Mixer):
         o = o.reshape(batch, seq_len, self.dim)
         if self.local:  # the taps reach back into the values before this piece (zeros before the first token)
             values = v.reshape(batch, seq_len, self.dim)
-            o = o + self._causal_conv(values, None, recent)
+            o = o + causal_depthwise_conv(values, self.taps, None, recent)
             recent = torch.cat([recent, values], dim=1)[:, seq_len:]
         return self.o_proj(o), (attn_state, recent)
 
     def _scaled_qkv(self, x, *, packed=False):
         q, k, v = self.qkv(x, packed=packed)
         return q * self.head_dim ** -0.5, k, v
-
-    def _causal_conv(self, v, positions=None, before=None):
-        """``Σ_i taps[:, i] · v_{t−i}`` over ``v [B, T, C]``, reaching into ``before [B, conv_size − 1, C]`` (the
-        values just before these, oldest first; zeros when None) for taps that stay inside the token's document
-        (``positions [B, T]``: each token's position in its document; None: the row continues one document)."""
-        seq_len, reach = v.shape[1], self.conv_size - 1
-        values = torch.cat([v.new_zeros(v.shape[0], reach, v.shape[2]) if before is None else before, v], dim=1)
-        out = v * self.taps[:, 0]
-        for i in range(1, self.conv_size):
-            earlier = values[:, reach - i: reach - i + seq_len] * self.taps[:, i]
-            out = out + (earlier if positions is None else earlier * (positions >= i)[..., None])
-        return out
 
     def _dynamic_conv2d(self, x, v, hw):
         """Depthwise 3×3 convolution of V on the grid with a kernel per sample and channel, made from mean(x)."""
