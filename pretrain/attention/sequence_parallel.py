@@ -11,7 +11,7 @@ import torch
 
 from ..ops.decayed_linear_attention.state import combine_decayed_states, decayed_state_of_tokens
 from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
-from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
+from ..parallel import SequenceShard, all_gather_with_grad, exchange_with_earlier_ranks, slice_layout
 from ..parallel.sequence import Combine, SliceLayout
 
 
@@ -90,3 +90,14 @@ def decayed_linear_attention_entering(k: torch.Tensor, v: torch.Tensor, g: torch
     initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
                                             empty=[0.0] * (fields + 1), num_docs=num_docs, shared=shared)
     return LinearAttentionState(*initial[:-1]), shared
+
+
+def halo_from_previous_rank(x: torch.Tensor, width: int, shard: SequenceShard) -> torch.Tensor:
+    """The previous rank's last ``width`` tokens of ``x [B, T, C]`` (a short convolution's halo), ``[B, width, C]``.
+
+    A halo that only adds to a mixer's output (InLine's) rides in the state's packet. A convolution in front of
+    the keys and values feeds the state a slice hands on, so that state cannot exist before the halo has arrived:
+    the halo takes an all-gather of its own, ``width · C`` numbers per row. Rank 0 gets its own tail, which its
+    convolution never reads (its rows start documents) but keeps in the graph, as the collective backward needs.
+    """
+    return from_previous_rank(all_gather_with_grad(x[:, x.shape[1] - width:].contiguous(), shard), shard)

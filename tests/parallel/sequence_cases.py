@@ -33,12 +33,16 @@ CASES = {
     "efficient": Case("efficient", {"chunk_size": 16}),
     "aft_simple": Case("aft_simple", {"chunk_size": 16}),
     "aft_local": Case("aft_local", {"chunk_size": 16, "window": 5}),
+    "retnet": Case("retnet", {"chunk_size": 16}),
+    "retnet_lightning_no_conv": Case("retnet", {"chunk_size": 16, "decay": "lightning", "layer_index": 1,
+                                                "num_layers": 3, "short_conv": 0}),
+    "mamba2": Case("mamba2", {"chunk_size": 16, "state_size": 8}),
 }
 
 
 # A whole LM whose layers run every sequence-parallel mixer in turn, scored by its own fused loss: the embedding,
 # norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange.
-MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine"]
+MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "retnet", "mamba2"]
 
 
 def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
@@ -53,7 +57,9 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              "model.mixer_options.linear.chunk_size=16", "model.mixer_options.inline.chunk_size=16",
                              "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
                              "model.mixer_options.aft_local.chunk_size=16",
-                             "model.mixer_options.aft_simple.chunk_size=16"])
+                             "model.mixer_options.aft_simple.chunk_size=16",
+                             "model.mixer_options.retnet.chunk_size=16", "model.mixer_options.mamba2.chunk_size=16",
+                             "model.mixer_options.mamba2.state_size=8"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():

@@ -1,0 +1,143 @@
+"""``retnet``: multi-scale retention (Sun et al. 2023, "Retentive Network", arXiv 2307.08621) on
+``ops.decayed_linear_attention``.
+
+docs/MIXERS.md#retnet. Per head h a fixed decay γ_h: ``S_t = γ_h S_{t−1} + k_t v_tᵀ``, ``o_t = q_tᵀ S_t`` with k
+scaled by ``D^{−1/2}`` and q, k rotated by RoPE at their in-document positions (the paper's xPos without its
+scaling, as the released code later did); a per-head RMSNorm (the paper's GroupNorm), the swish gate
+``silu(x W_g) ⊙ o``, the output projection. ``decay``: ``retnet`` (``γ_h = 1 − 2^{−5−h}``) or ``lightning``
+(Lightning Attention's, MiniMax-01: ALiBi slopes ``s_h`` scaled per layer, ``γ_h = exp(−s_h·(1 − l/(L−1) + 1e−5))``).
+``short_conv: K`` puts a causal depthwise convolution (SiLU) on q, k and v (0: none, the paper's layer).
+"""
+import math
+
+import torch
+from torch import nn
+
+from ..ops import apply_rope
+from ..ops.decayed_linear_attention import decayed_linear_attention
+from .base import Mixer
+from .common import token_positions
+from .norm import RMSNorm
+from .registry import register
+from .sequence_parallel import decayed_linear_attention_entering, halo_from_previous_rank
+from .short_conv import ShortConvolution
+
+DECAYS = ("retnet", "lightning")
+
+
+def retnet_log_decay(heads: int) -> torch.Tensor:
+    """``log γ_h = log(1 − 2^{−5−h})``, fp64 (the last heads sit within 2^{−5−h} of 1)."""
+    return torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(heads, dtype=torch.float64)))
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al. 2022): ``2^{−8(h+1)/H}`` for H a power of two, interleaved otherwise."""
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, closest + 1, dtype=torch.float64) / closest)
+    if closest == heads:
+        return slopes
+    return torch.cat([slopes, alibi_slopes(2 * closest)[0::2][: heads - closest]])
+
+
+def lightning_log_decay(heads: int, layer_index: int, num_layers: int) -> torch.Tensor:
+    """Lightning Attention's per-layer decay: ALiBi slopes, weaker in deeper layers (near 0 in the last)."""
+    depth = layer_index / (num_layers - 1) if num_layers > 1 else 0.0
+    return -alibi_slopes(heads) * (1 - depth + 1e-5)
+
+
+@register("retnet")
+class Retention(Mixer):
+    """Projections q, k, v, the gate ``gate_proj``; on a sequence slice the convolution (if any) takes its halo from
+    the previous rank and the decayed state of the earlier slices enters each row's first document."""
+
+    supports_sequence_parallel = True
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, decay: str = "retnet", layer_index: int = 0,
+                 num_layers: int = 1, rope: bool = True, rope_theta: float = 10000.0, short_conv: int = 4,
+                 norm_eps: float = 1e-6, chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False,
+                 o_bias: bool = False):
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
+        if not causal:
+            raise ValueError("retnet is built causal here (retention's non-causal form is not implemented)")
+        if decay not in DECAYS:
+            raise ValueError(f"retnet: decay must be one of {DECAYS}; got {decay!r}")
+        if not 0 <= layer_index < num_layers:
+            raise ValueError(f"retnet: layer_index must lie in [0, num_layers = {num_layers}); got {layer_index}")
+        if short_conv < 0:
+            raise ValueError(f"retnet: short_conv must be ≥ 0 (0: none); got {short_conv}")
+        self.rope, self.rope_theta, self.chunk_size, self.impl = rope, rope_theta, chunk_size, impl
+        self.log_decay = (retnet_log_decay(num_heads) if decay == "retnet"
+                          else lightning_log_decay(num_heads, layer_index, num_layers))  # fp64, [H]
+        self.gate_proj = nn.Linear(dim, dim, bias=False)
+        self.group_norm = RMSNorm(self.head_dim, eps=norm_eps)
+        self.conv = ShortConvolution(3 * dim, short_conv) if short_conv else None
+
+    @property
+    def halo(self) -> int:
+        """How many tokens before a slice its convolution reads."""
+        return 0 if self.conv is None else self.conv.halo
+
+    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
+        if slice_len < self.halo:
+            raise ValueError(f"a slice of {slice_len} tokens is shorter than retnet's convolution reach "
+                             f"({self.halo} tokens): use fewer sequence ranks or a smaller short_conv")
+
+    def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
+        batch, seq_len, _ = x.shape
+        if position_ids is None:
+            position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
+        features = self._features(x)
+        before = None
+        if self.sequence is not None and self.conv is not None:
+            self.check_sequence_parallel(self.sequence.size, seq_len)
+            before = halo_from_previous_rank(features, self.halo, self.sequence)
+        q, k, v = self._heads(features, position_ids, before)
+        g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        if cu_seqlens is not None:
+            q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
+        initial = None
+        if self.sequence is not None:
+            initial, _ = decayed_linear_attention_entering(k, v, g.expand(*k.shape[:3]), position_ids, self.sequence,
+                                                           "none", cu_seqlens.numel() - 1)
+        o = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
+                                     chunk_size=self.chunk_size, impl=self.impl)
+        return self._output(x, o.view(batch, seq_len, *o.shape[2:]))
+
+    def forward_with_state(self, x, state):
+        """The state is the op's ``S [B, H, D, D]``, the convolution's last ``short_conv − 1`` inputs (None without
+        one) and the number of tokens seen (RoPE's next position)."""
+        batch, seq_len, _ = x.shape
+        attn_state, before, seen = state if state is not None else (None, None, 0)
+        features = self._features(x)
+        positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
+        q, k, v = self._heads(features, positions, before)
+        g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up
+        o, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
+                                                 chunk_size=self.chunk_size, impl=impl)
+        tail = None if self.conv is None else self.conv.tail(features, before)
+        return self._output(x, o), (attn_state, tail, seen + seq_len)
+
+    def _features(self, x):
+        """q, k, v side by side ``[B, T, 3·C]``: what the convolution (if any) mixes."""
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def _heads(self, features, position_ids, before):
+        """q, k, v ``[B, T, H, D]``: convolved (if asked), k scaled by ``D^{−1/2}``, q and k rotated (if asked)."""
+        if self.conv is not None:
+            features = self.conv(features, position_ids=position_ids, before=before)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in features.chunk(3, dim=-1))
+        k = k * self.head_dim ** -0.5
+        if self.rope:
+            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        return q, k, v
+
+    def _output(self, x, o):
+        """The per-head norm, the swish gate and the output projection."""
+        o = self.group_norm(o).flatten(2)
+        return self.o_proj(nn.functional.silu(self.gate_proj(x)) * o)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Five projections, the convolution, and the recurrent form's state update and read per head."""
+        conv = 0.0 if self.conv is None else self.conv.flops_per_token()
+        return self.projection_flops() * 5 / 4 + conv + 2 * 2 * self.dim * self.head_dim
