@@ -18,15 +18,16 @@ from .base import Mixer
 from .common import token_positions
 from .norm import RMSNorm
 from .registry import register
-from .sequence_parallel import decayed_linear_attention_entering, halo_from_previous_rank
+from .sequence_parallel import decayed_conv_entering
 from .short_conv import ShortConvolution
 
 
 @register("mamba2")
 class Mamba2(Mixer):
     """``q_proj`` makes C, ``k_proj`` B, ``v_proj`` x (``expand·dim`` wide), ``gate_proj`` z, ``dt_proj`` dt: the
-    five pieces of Mamba-2's one input projection. On a sequence slice the convolution takes its halo from the
-    previous rank and the decayed state of the earlier slices enters each row's first document."""
+    five pieces of Mamba-2's one input projection. On a sequence slice the decayed state of the earlier slices
+    enters each row's first document, and the previous slice's last inputs (its halo, in the same exchange) feed the
+    convolution's first outputs."""
 
     supports_sequence_parallel = True
 
@@ -73,19 +74,20 @@ class Mamba2(Mixer):
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
+        packed = cu_seqlens is not None
         if position_ids is None:
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
-        features = self._features(x)
-        before = None
-        if self.sequence is not None:
-            self.check_sequence_parallel(self.sequence.size, seq_len)
-            before = halo_from_previous_rank(features, self.halo, self.sequence)
-        values, q, k, v, g = self._heads(x, self.conv(features, position_ids=position_ids, before=before),
-                                         packed=cu_seqlens is not None)
+        features, dt = self._features(x), self._dt(x)
+        convolved = self.conv(features, position_ids=position_ids)  # zeros before a slice: see below
+        values, q, k, v, g = self._heads(convolved, dt, packed=packed)
         initial = None
-        if self.sequence is not None:
-            initial, _ = decayed_linear_attention_entering(k, v, g, position_ids, self.sequence, "none",
-                                                           cu_seqlens.numel() - 1)
+        if self.sequence is not None:  # the earlier slices' state, and their last features for the first tokens
+            self.check_sequence_parallel(self.sequence.size, seq_len)
+            initial, before = decayed_conv_entering(k, v, g, features, position_ids, self.sequence,
+                                                    cu_seqlens.numel() - 1, halo=self.halo,
+                                                    head_keys_values=self._head_keys_values, head_extras=[dt])
+            first = self.conv(features[:, :self.halo], position_ids=position_ids[:, :self.halo], before=before)
+            values, q, k, v, g = self._heads(torch.cat([first, convolved[:, self.halo:]], dim=1), dt, packed=packed)
         y = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
                                      chunk_size=self.chunk_size, impl=self.impl)
         return self._output(x, y.view(batch, seq_len, *y.shape[2:]), values)
@@ -94,7 +96,7 @@ class Mamba2(Mixer):
         """The state is the op's ``S [B, H, N, P]`` and the convolution's last ``conv_size − 1`` inputs."""
         attn_state, before = state if state is not None else (None, None)
         features = self._features(x)
-        values, q, k, v, g = self._heads(x, self.conv(features, before=before))
+        values, q, k, v, g = self._heads(self.conv(features, before=before), self._dt(x))
         impl = "recurrent" if x.shape[1] == 1 else self.impl  # one decoded token: no chunks to set up
         y, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
                                                  chunk_size=self.chunk_size, impl=impl)
@@ -104,19 +106,27 @@ class Mamba2(Mixer):
         """The convolution's inputs ``(x, B, C)`` side by side, ``[B, T, inner + 2N]``."""
         return torch.cat([self.v_proj(x), self.k_proj(x), self.q_proj(x)], dim=-1)
 
-    def _heads(self, x, convolved, *, packed=False):
-        """From the convolved ``(x, B, C)``: the values ``[B, T, H, P]`` and the op's q, k, v, g (``[1, B·T, ...]``
-        when ``packed``)."""
-        batch, seq_len, _ = x.shape
+    def _dt(self, x):
+        """The step per token and head, ``softplus(x W_dt + dt_bias)``, ``[B, T, H]``."""
+        return F.softplus(self.dt_proj(x) + self.dt_bias)
+
+    def _heads(self, convolved, dt, *, packed=False):
+        """From the convolved ``(x, B, C)`` and ``dt``: the values ``[B, T, H, P]`` and the op's q, k, v, g
+        (``[1, B·T, ...]`` when ``packed``)."""
+        batch, seq_len, _ = convolved.shape
         values, keys, queries = convolved.split([self.inner, self.state_size, self.state_size], dim=-1)
         values = values.view(batch, seq_len, self.num_heads, self.head_dim)
-        dt = F.softplus(self.dt_proj(x) + self.dt_bias)  # [B, T, H]
         g = dt * -self.A_log.exp()  # log-decay dt·A ≤ 0
         shape = (1, batch * seq_len) if packed else (batch, seq_len)
         heads = (*shape, self.num_heads, self.state_size)
         q, k = (t.reshape(*shape, 1, self.state_size).expand(heads) for t in (queries, keys))
         v = (values * dt[..., None]).reshape(*shape, self.num_heads, self.head_dim)
         return values, q, k, v, g.reshape(*shape, self.num_heads)
+
+    def _head_keys_values(self, features, before, positions, dt):
+        """k, v of a slice's first tokens from their features, the halo ``before`` them, positions and dt."""
+        _, _, k, v, _ = self._heads(self.conv(features, position_ids=positions, before=before), dt)
+        return k, v
 
     def _output(self, x, y, values):
         """The D skip, the gated RMSNorm and the output projection."""

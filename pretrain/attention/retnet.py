@@ -19,7 +19,7 @@ from .base import Mixer
 from .common import token_positions
 from .norm import RMSNorm
 from .registry import register
-from .sequence_parallel import decayed_linear_attention_entering, halo_from_previous_rank
+from .sequence_parallel import decayed_conv_entering
 from .short_conv import ShortConvolution
 
 DECAYS = ("retnet", "lightning")
@@ -47,8 +47,9 @@ def lightning_log_decay(heads: int, layer_index: int, num_layers: int) -> torch.
 
 @register("retnet")
 class Retention(Mixer):
-    """Projections q, k, v, the gate ``gate_proj``; on a sequence slice the convolution (if any) takes its halo from
-    the previous rank and the decayed state of the earlier slices enters each row's first document."""
+    """Projections q, k, v, the gate ``gate_proj``; on a sequence slice the decayed state of the earlier slices enters
+    each row's first document, and the previous slice's last inputs (its halo, in the same exchange) feed the
+    convolution's first outputs."""
 
     supports_sequence_parallel = True
 
@@ -87,18 +88,21 @@ class Retention(Mixer):
         if position_ids is None:
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
         features = self._features(x)
-        before = None
-        if self.sequence is not None and self.conv is not None:
-            self.check_sequence_parallel(self.sequence.size, seq_len)
-            before = halo_from_previous_rank(features, self.halo, self.sequence)
-        q, k, v = self._heads(features, position_ids, before)
+        convolved = features if self.conv is None else self.conv(features, position_ids=position_ids)
+        q, k, v = self._heads(convolved, position_ids)  # zeros before a slice: see below
         g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         if cu_seqlens is not None:
             q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
         initial = None
-        if self.sequence is not None:
-            initial, _ = decayed_linear_attention_entering(k, v, g.expand(*k.shape[:3]), position_ids, self.sequence,
-                                                           "none", cu_seqlens.numel() - 1)
+        if self.sequence is not None:  # the earlier slices' state, and their last features for the first tokens
+            self.check_sequence_parallel(self.sequence.size, seq_len)
+            initial, before = decayed_conv_entering(k, v, g.expand(*k.shape[:3]), features, position_ids,
+                                                    self.sequence, cu_seqlens.numel() - 1, halo=self.halo,
+                                                    head_keys_values=self._head_keys_values)
+            if self.halo:
+                first = self.conv(features[:, :self.halo], position_ids=position_ids[:, :self.halo], before=before)
+                q, k, v = self._heads(torch.cat([first, convolved[:, self.halo:]], dim=1), position_ids)
+                q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
         o = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
                                      chunk_size=self.chunk_size, impl=self.impl)
         return self._output(x, o.view(batch, seq_len, *o.shape[2:]))
@@ -110,7 +114,7 @@ class Retention(Mixer):
         attn_state, before, seen = state if state is not None else (None, None, 0)
         features = self._features(x)
         positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
-        q, k, v = self._heads(features, positions, before)
+        q, k, v = self._heads(features if self.conv is None else self.conv(features, before=before), positions)
         g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up
         o, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
@@ -122,15 +126,19 @@ class Retention(Mixer):
         """q, k, v side by side ``[B, T, 3·C]``: what the convolution (if any) mixes."""
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def _heads(self, features, position_ids, before):
-        """q, k, v ``[B, T, H, D]``: convolved (if asked), k scaled by ``D^{−1/2}``, q and k rotated (if asked)."""
-        if self.conv is not None:
-            features = self.conv(features, position_ids=position_ids, before=before)
-        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in features.chunk(3, dim=-1))
+    def _heads(self, convolved, position_ids):
+        """q, k, v ``[B, T, H, D]`` from the (convolved) features: k scaled by ``D^{−1/2}``, q and k rotated (if
+        asked)."""
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in convolved.chunk(3, dim=-1))
         k = k * self.head_dim ** -0.5
         if self.rope:
             q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
         return q, k, v
+
+    def _head_keys_values(self, features, before, positions):
+        """k, v of a slice's first tokens from their features, the halo ``before`` them and their positions."""
+        _, k, v = self._heads(self.conv(features, position_ids=positions, before=before), positions)
+        return k, v
 
     def _output(self, x, o):
         """The per-head norm, the swish gate and the output projection."""

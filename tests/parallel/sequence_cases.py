@@ -2,8 +2,9 @@
 torchrun starts (each rank's slice). fp64 throughout, so forms that are exact agree to round-off.
 
 Rows of T = 48 tokens hold documents that start, end and straddle the slice boundaries of N = 2, 3 and 4 (slices
-of 24, 16 and 12 tokens: not multiples of the chunk of 16), a one-token document, and a document covering whole
-middle slices (the fold passes states through ranks where no document begins).
+of 24, 16 and 12 tokens: not multiples of the chunk of 16), a one-token document, a document covering whole
+middle slices (the fold passes states through ranks where no document begins), and documents that begin one token
+into a slice (a short convolution's first outputs there reach back into the previous slice only partly).
 """
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ from pretrain.attention import build_mixer
 from pretrain.ops import cu_seqlens_from_position_ids
 from pretrain.parallel import SequenceShard, shard_rows
 
-DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48]]
+DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48], [13, 12, 12, 11]]
 SEQ_LEN, DIM, HEADS = 48, 16, 4
 
 

@@ -20,11 +20,17 @@ def decayed_state_of_tokens(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, m
     wide = torch.promote_types(k.dtype, torch.float32)
     k, v = k.to(wide), v.to(wide)
     g = g.to(wide) * mask[..., None]
-    after = F.pad(g.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 1))  # log-decay after each token, to the row's end
-    weight = after.exp() * mask[..., None]
+    weight = log_decay_after(g, mask).exp() * mask[..., None]
     fields = {"S": lambda: torch.einsum("bth,bthk,bthv->bhkv", weight, k, v),
               "z": lambda: torch.einsum("bth,bthk->bhk", weight, k)}
     return LinearAttentionState(**{field: fields[field]() for field in FIELDS[normalize]}), g.sum(1)
+
+
+def log_decay_after(g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T, H]``: the log-decay the tokens where ``mask`` that come after each token apply to it, up to the row's
+    end — what is left of a token's ``k vᵀ`` there is ``exp`` of it (sums of g ≤ 0, never differences)."""
+    g = g * mask[..., None]
+    return F.pad(g.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 1))
 
 
 def combine_decayed_states(earlier: tuple[LinearAttentionState, torch.Tensor],
