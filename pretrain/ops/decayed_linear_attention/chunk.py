@@ -9,10 +9,11 @@ its chunk with weight ``exp(b_i)``; the state handed to the next chunk is the ch
 share chunks as in ``ops/linear_attention/chunk.py``, whose layout (``Chunks``) this module reuses; each document
 starts from its own initial state, decayed by its own tokens only.
 
-Gradients are autograd's through these tensors (exact). Unlike the undecayed op, which keeps only q, k, v and
-recomputes its chunk states in backward, autograd keeps the chunked copies of q, k, v, the per-chunk states and
-the C×C decay and weight matrices: measured at C = 64, D = Dv = 64 in fp32, 2,588 bytes per token and head
-(2,864 divisive) against the undecayed op's 768 (1,036) — about 3.4× the activation memory (docs/CONTRACTS.md).
+Gradients are autograd's (exact), except through the scan across chunks, a small Function with one fused op per
+chunk each way. Unlike the undecayed op, which keeps only q, k, v and recomputes its chunk states in backward,
+autograd keeps the chunked copies of q, k, v, the per-chunk states and the C×C decay and weight matrices: measured
+at C = 64, D = Dv = 64 in fp32, 2,328 bytes per token and head (2,600 divisive) against the undecayed op's 768
+(1,036) — about 3× the activation memory (docs/CONTRACTS.md).
 """
 from functools import partial
 
@@ -87,12 +88,36 @@ def _chunk_scan(q, k, v, g, initial, chunks: Chunks):
         handed_on = handed_on + tail_decay[..., None, None] * padded[chunks.next_doc]
     runs_on = torch.where(chunks.carries[:, None], b[..., -1].exp(), 0.0)  # [n, H]: decay of the carried state
 
-    state = q.new_zeros(q.shape[1], k.shape[-1], v.shape[-1]) if initial is None else initial[chunks.first_doc]
-    entering = []
-    for c in range(count):
-        entering.append(state)
-        state = runs_on[c, :, None, None] * state + handed_on[c]
-    entering = torch.stack(entering)
+    first = q.new_zeros(q.shape[1], k.shape[-1], v.shape[-1]) if initial is None else initial[chunks.first_doc]
+    entering = _DecayedScan.apply(runs_on, handed_on, first)
     reads = b.exp() * chunks.reads_state[..., 0]  # [n, H, C]: the token continues the chunk-start document
     o = o + (Q * reads[..., None]) @ entering
     return o.transpose(1, 2).reshape(count * size, *o.shape[1:2], o.shape[-1])[: q.shape[0]], entering
+
+
+class _DecayedScan(torch.autograd.Function):
+    """``E [n, H, D, Dv]`` with ``E_0 = first`` and ``E_{c+1} = decay_c·E_c + handed_c``: the states entering the
+    chunks, one fused op per chunk each way. (Autograd through a Python loop records several small ops per chunk,
+    whose overhead, not their arithmetic, dominated at long T.)"""
+
+    @staticmethod
+    def forward(ctx, decay, handed, first):
+        states = handed.new_empty(handed.shape)
+        states[0] = first
+        for c in range(1, handed.shape[0]):
+            torch.addcmul(handed[c - 1], states[c - 1], decay[c - 1, :, None, None], out=states[c])
+        ctx.save_for_backward(decay, states)
+        return states
+
+    @staticmethod
+    def backward(ctx, grad):
+        """``dE_c = grad_c + decay_c·dE_{c+1}``; ``handed_c`` and ``decay_c`` reach ``E_{c+1}`` (the last ones reach
+        nothing returned)."""
+        decay, states = ctx.saved_tensors
+        d_states = torch.empty_like(states)
+        d_states[-1] = grad[-1]
+        for c in range(states.shape[0] - 2, -1, -1):
+            torch.addcmul(grad[c], d_states[c + 1], decay[c, :, None, None], out=d_states[c])
+        d_handed = torch.cat([d_states[1:], torch.zeros_like(d_states[:1])])
+        d_decay = F.pad((d_states[1:] * states[:-1]).sum((-1, -2)), (0, 0, 0, 1))
+        return d_decay, d_handed, d_states[0] if ctx.needs_input_grad[2] else None
