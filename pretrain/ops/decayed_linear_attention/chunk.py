@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..linear_attention.chunk import Chunks
 from ..linear_attention.normalize import normalized
 from ..linear_attention.runs import gather_runs
+from .state import log_decay_after
 
 
 def decayed_linear_attention_chunk(q, k, v, g, *, normalize, eps, cu_seqlens, initial_state, output_final_state,
@@ -61,7 +62,7 @@ def chunked_core(q, k, v, initial, cu_seqlens, output_final, *, g, chunk_size):
         last_start = chunks.last_chunk * chunk_size
         run_start = torch.maximum(starts, last_start)
         rows_k, rows_v, rows_g = (gather_runs(x, run_start, ends - run_start)[0] for x in (k, v, g))
-        after = F.pad(rows_g.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 1))  # log-decay after each token, to the end
+        after = log_decay_after(rows_g)  # zeros past each run: its tokens' decay to the document's end
         began_before = (starts < last_start)[:, None, None, None]
         base = torch.where(began_before, entering[chunks.last_chunk], 0 if initial is None else initial)
         final = (rows_g.sum(1).exp()[..., None, None] * base

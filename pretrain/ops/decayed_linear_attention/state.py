@@ -26,10 +26,11 @@ def decayed_state_of_tokens(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, m
     return LinearAttentionState(**{field: fields[field]() for field in FIELDS[normalize]}), g.sum(1)
 
 
-def log_decay_after(g: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T, H]``: the log-decay the tokens where ``mask`` that come after each token apply to it, up to the row's
-    end — what is left of a token's ``k vᵀ`` there is ``exp`` of it (sums of g ≤ 0, never differences)."""
-    g = g * mask[..., None]
+def log_decay_after(g: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T, H]``: the log-decay the tokens (where ``mask``) that come after each token apply to it, up to the
+    row's end — what is left of a token's ``k vᵀ`` there is ``exp`` of it (sums of g ≤ 0, never differences)."""
+    if mask is not None:
+        g = g * mask[..., None]
     return F.pad(g.flip(1).cumsum(1).flip(1)[:, 1:], (0, 0, 0, 1))
 
 
