@@ -24,8 +24,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.cli_help import HelpFormatter
-from pretrain.ops import linear_attention, softmax_attention
-from pretrain.ops.decayed_linear_attention import decayed_linear_attention
+from pretrain.ops import decayed_linear_attention, linear_attention, softmax_attention
 from pretrain.ops.precision import DTYPES
 
 import benchlib  # tools/, beside this script
