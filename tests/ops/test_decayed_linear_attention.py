@@ -131,6 +131,17 @@ def test_fp32_inputs_give_fp32_outputs_close_to_fp64():
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["chunk", "recurrent"])
+def test_bf16_inputs_accumulate_in_fp32_with_an_fp32_state(impl):
+    q, k, v, g = (x.detach() for x in inputs(1, 70, per_token=True))
+    o, final = decayed_linear_attention(*(x.bfloat16() for x in (q, k, v)), g.float(), normalize="divisive",
+                                        output_final_state=True, chunk_size=16, impl=impl)
+    assert o.dtype == torch.bfloat16 and final.S.dtype == final.z.dtype == torch.float32
+    want = decayed_linear_attention(*(x.bfloat16().double() for x in (q, k, v)), g.float().double(),
+                                    normalize="divisive", impl="naive")
+    torch.testing.assert_close(o.double(), want, rtol=1e-2, atol=1e-2)  # bf16's 8 bits, rounding o once
+
+
 def test_auto_runs_the_chunked_form():
     q, k, v, g = (x.detach() for x in inputs(1, 20, per_token=True))
     torch.testing.assert_close(decayed_linear_attention(q, k, v, g, chunk_size=CHUNK),
