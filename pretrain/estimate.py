@@ -15,7 +15,8 @@ the model's fused head and loss (``models/lm_head.py``), counting every tensor a
 (parameters excluded, views counted once); blocks of the same mixer save the same bytes, so one period of the
 layer pattern is run.
 A mixer whose forward needs data (``.item()``, ``nonzero`` on packed-document offsets) cannot run on meta; its
-share is then taken as 5·dim values per token (input, q, k, v, output) and the result names it.
+share is then taken as 5·dim values per token (input, q, k, v, output; 9·dim more with ``short_conv``: each of
+q, k, v before its convolution, zero-padded, and before its SiLU) and the result names it.
 On the meta device SDPA would take its math path and store the T×T weights; the GPU kernels (flash-attn, SDPA's
 flash) keep only q, k, v, out and the log-sum-exp, so the measurement routes SDPA to that kernel's form.
 Under sequence parallelism (``parallel.sequence_parallel: N``) a rank holds seq_len/N tokens of every row, so its
@@ -42,6 +43,7 @@ BYTES_PER_PARAM = {  # weights, gradients, optimizer states (Adam), per paramete
     "fp16": (2, 2, 12),
 }
 MIXER_TENSORS_PER_TOKEN = 5  # the fallback for mixers that cannot run on meta: input, q, k, v, output
+SHORT_CONV_TENSORS_PER_TOKEN = 9  # and with short_conv: per q, k, v its projection, the zero-padded copy, the pre-SiLU
 
 
 def estimate(cfg: DictConfig, world_size: int) -> dict:
@@ -188,7 +190,9 @@ class _SavedTensorCounter:
                 return forward(x, **kwargs)
             except (RuntimeError, NotImplementedError):  # data-dependent shapes have no meta form
                 self.approximated.add(type(mixer).__name__)
-                self.bytes[self.bucket] = before + MIXER_TENSORS_PER_TOKEN * x.numel() * x.element_size()
+                tensors = MIXER_TENSORS_PER_TOKEN + (SHORT_CONV_TENSORS_PER_TOKEN if getattr(mixer, "short_conv", 0)
+                                                     else 0)
+                self.bytes[self.bucket] = before + tensors * x.numel() * x.element_size()
                 return torch.zeros_like(x)
 
         return run

@@ -18,43 +18,42 @@ from ..ops.aft import aft_state, combine_aft_states, state_as_token
 from ..parallel import exchange_with_earlier_ranks, slice_layout
 from .base import Mixer
 from .registry import register
-from .sequence_parallel import from_previous_rank
+from .sequence_parallel import SliceConvolutions, from_previous_rank
 
 
 class _AFTBase(Mixer):
     """Projections around an AFT op; subclasses define ``mix(q, k, v, cu_seqlens, hw)`` on ``[B, T, C]``."""
 
-    def __init__(self, dim: int, num_heads: int, causal: bool, qkv_bias: bool, o_bias: bool):
-        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, heads=False)
+    def __init__(self, dim: int, num_heads: int, causal: bool, qkv_bias: bool, o_bias: bool, short_conv: int = 0):
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, heads=False,
+                         short_conv=short_conv)
 
     halo = 0  # tokens before a slice its band reads (aft_local: window − 1)
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         if self.sequence is not None:
-            q, k, v = self.qkv(x, packed=True, heads=False)
-            return self.o_proj(self._on_slice(q, k, v, position_ids).reshape(x.shape))
-        return self._mixed(x, cu_seqlens, hw)[0]
+            return self.o_proj(self._on_slice(x, position_ids).reshape(x.shape))
+        return self._mixed(x, cu_seqlens, position_ids, hw)[0]
 
-    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
-        super().check_sequence_parallel(size, slice_len)
-        if slice_len < self.halo:
-            raise ValueError(f"a slice of {slice_len} tokens is shorter than the band's reach ({self.halo} tokens): "
-                             "use fewer sequence ranks or a smaller window")
-
-    def _on_slice(self, q, k, v, position_ids):
+    def _on_slice(self, x, position_ids):
         """The op on this rank's rows with the earlier ranks' tokens of each row's first document put in front of
         it: their prefix sums as one token (``state_as_token``) placed beyond the band, then the previous rank's last
         ``halo`` tokens themselves, which the band weighs. Tokens put in front of a row that do not belong to its
         first document form a document of their own, so every rank runs the same shapes and uses the exchange."""
         shard, (batch, seq_len), reach = self.sequence, position_ids.shape, self.halo
-        q, k, v = (t.reshape(batch, seq_len, self.dim) for t in (q, k, v))
+        convolutions = SliceConvolutions(self, x, position_ids, shard)
+        q, k, v = convolutions.early  # final from token short_conv − 1 on, where the band's halo lies
         layout = slice_layout(position_ids)
         before_halo = layout.tail & (torch.arange(seq_len, device=k.device) < seq_len - reach)
-        entering, halos = exchange_with_earlier_ranks(
-            list(aft_state(k, v, layout.tail)), layout, shard, lambda a, b: list(combine_aft_states(a, b)),
-            handed_to_next=list(aft_state(k, v, before_halo)), shared=[k[:, seq_len - reach:], v[:, seq_len - reach:]])
+        entering, (halo_k, halo_v, *packet) = exchange_with_earlier_ranks(
+            _aft_state(k, v, convolutions.own(layout.tail)), layout, shard, lambda a, b: list(combine_aft_states(a, b)),
+            handed_to_next=_aft_state(k, v, convolutions.own(before_halo)),
+            shared=[k[:, seq_len - reach:], v[:, seq_len - reach:], *convolutions.packet(layout.tail)],
+            first_states=convolutions.first_states_from(2, _aft_state))
+        if self.short_conv:  # the first K − 1 tokens again, now with the previous rank's halo
+            q, k, v = convolutions.final(packet)
         state_k, state_v = state_as_token(entering)
-        halo_k, halo_v = (from_previous_rank(gathered, shard) for gathered in halos)
+        halo_k, halo_v = (from_previous_rank(gathered, shard) for gathered in (halo_k, halo_v))
         keys = torch.cat([state_k[:, None].to(k.dtype), halo_k, k], dim=1)
         values = torch.cat([state_v[:, None].to(v.dtype), halo_v, v], dim=1)
         queries = torch.cat([q.new_zeros(batch, reach + 1, self.dim), q], dim=1)
@@ -72,9 +71,9 @@ class _AFTBase(Mixer):
         mixed = self.mix(*(t.reshape(1, -1, self.dim) for t in (queries, keys, values)), cu_seqlens, None)
         return mixed.reshape(batch, reach + 1 + seq_len, self.dim)[:, reach + 1:]
 
-    def _mixed(self, x, cu_seqlens, hw):
+    def _mixed(self, x, cu_seqlens, position_ids, hw):
         """The output, and the keys and values it came from (a decoding state is made of them)."""
-        q, k, v = self.qkv(x, packed=cu_seqlens is not None, heads=False)
+        q, k, v = self.qkv(x, cu_seqlens=cu_seqlens, position_ids=position_ids)
         return self.o_proj(self.mix(q, k, v, cu_seqlens, hw).reshape(x.shape)), k, v
 
     def _qkv_step(self, x_t):
@@ -117,7 +116,7 @@ class AFTFull(_AFTBase):
 
     def prefill(self, x):
         """A whole prompt ``[B, T, C]`` → ``(y, state)``; the state is its keys and values."""
-        y, k, v = self._mixed(x, None, None)
+        y, k, v = self._mixed(x, None, None, None)
         return y, (k, v)
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -133,8 +132,8 @@ class AFTLocal(_AFTBase):
     supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, window: int = 64, chunk_size: int = 64,
-                 qkv_bias: bool = False, o_bias: bool = False):
-        super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
+                 short_conv: int = 0, qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal, qkv_bias, o_bias, short_conv)
         if window < 1:
             raise ValueError(f"aft_local: window must be ≥ 1; got {window}")
         self.window, self.chunk_size = window, chunk_size
@@ -151,8 +150,7 @@ class AFTLocal(_AFTBase):
 
     def prefill(self, x):
         """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
-        y, k, v = self._mixed(x, None, None)
-        return y, _prefix_state(k, v, recent=self.window - 1)
+        return _prefill(self, x, recent=self.window - 1)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections, the prefix sums and the band of ``window`` (``2·window − 1`` non-causal) offsets."""
@@ -165,9 +163,9 @@ class AFTSimple(_AFTBase):
 
     supports_sequence_parallel = True
 
-    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64,
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64, short_conv: int = 0,
                  qkv_bias: bool = False, o_bias: bool = False):
-        super().__init__(dim, num_heads, causal, qkv_bias, o_bias)
+        super().__init__(dim, num_heads, causal, qkv_bias, o_bias, short_conv)
         self.chunk_size = chunk_size
 
     def mix(self, q, k, v, cu_seqlens, hw):
@@ -179,8 +177,7 @@ class AFTSimple(_AFTBase):
 
     def prefill(self, x):
         """A whole prompt ``[B, T, C]`` in chunks → ``(y, state)``, the state ``step`` goes on from."""
-        y, k, v = self._mixed(x, None, None)
-        return y, _prefix_state(k, v, recent=0)
+        return _prefill(self, x, recent=0)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and the prefix sums."""
@@ -223,9 +220,22 @@ def _prefix_state(k, v, *, recent):
     return (exp_k * v).sum(1), exp_k.sum(1), running_max, k[:, last].flip(1), v[:, last].flip(1)
 
 
+def _aft_state(k, v, mask) -> list[torch.Tensor]:
+    return list(aft_state(k, v, mask))
+
+
+def _prefill(mixer, x, *, recent):
+    """A prompt through ``mixer`` (AFT-local or -simple) → ``(y, state)``: ``_decode_step``'s state after it and the
+    short convolutions' tails."""
+    (q, k, v), tails = mixer.qkv_continuing(x, None)
+    return mixer.o_proj(mixer.mix(q, k, v, None, None)), (_prefix_state(k, v, recent=recent), tails)
+
+
 def _decode_step(mixer, x_t, state, rel_bias):
     """One causal AFT-local step (AFT-simple when ``rel_bias`` is None) from the prefix sums and recent tokens."""
-    q, k, v = mixer._qkv_step(x_t)
+    state, tails = state if state is not None else (None, None)
+    (q, k, v), tails = mixer.qkv_continuing(x_t[:, None], tails)
+    q, k, v = q[:, 0], k[:, 0], v[:, 0]
     if state is None:
         empty = k.new_zeros(k.shape[0], 0, k.shape[1])
         state = (torch.zeros_like(k), torch.zeros_like(k), torch.full_like(k, float("-inf")), empty, empty)
@@ -241,4 +251,4 @@ def _decode_step(mixer, x_t, state, rel_bias):
         out_num, out_den = out_num + (band * values).sum(1), out_den + band.sum(1)
         recent_k, recent_v = keys[:, : mixer.window - 1], values[:, : mixer.window - 1]
     y = torch.sigmoid(q) * out_num / out_den
-    return mixer.o_proj(y), (num, den, new_max, recent_k, recent_v)
+    return mixer.o_proj(y), ((num, den, new_max, recent_k, recent_v), tails)

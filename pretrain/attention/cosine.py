@@ -13,9 +13,9 @@ class CosineAttention(LinearAttention):
     """``linear`` with ``φ(x) = [1, x̂]``, divisive; ``step`` decodes one token, ``prefill`` reads a prompt."""
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, chunk_size: int = 64, impl: str = "auto",
-                 qkv_bias: bool = False, o_bias: bool = False):
+                 short_conv: int = 0, qkv_bias: bool = False, o_bias: bool = False):
         super().__init__(dim, num_heads, causal=causal, feature_map="cosine", normalize="divisive",
-                         chunk_size=chunk_size, impl=impl, qkv_bias=qkv_bias, o_bias=o_bias)
+                         chunk_size=chunk_size, impl=impl, short_conv=short_conv, qkv_bias=qkv_bias, o_bias=o_bias)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and a (D+1)×D state update and read per head (the recurrent form's work)."""

@@ -11,7 +11,7 @@ from ..ops.linear_attention import linear_attention
 from .base import Mixer
 from .norm import RMSNorm
 from .registry import register
-from .sequence_parallel import linear_attention_entering
+from .sequence_parallel import SliceConvolutions, linear_attention_entering
 
 
 def one_plus_unit(x: torch.Tensor) -> torch.Tensor:
@@ -31,8 +31,8 @@ class LinearAttention(Mixer):
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, feature_map: str = "elu",
                  normalize: str = "divisive", output_norm: bool = False, chunk_size: int = 64, impl: str = "auto",
-                 qkv_bias: bool = False, o_bias: bool = False):
-        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
+                 short_conv: int = 0, qkv_bias: bool = False, o_bias: bool = False):
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, short_conv=short_conv)
         if feature_map not in FEATURE_MAPS:
             raise ValueError(f"feature_map must be one of {sorted(FEATURE_MAPS)}; got {feature_map!r}")
         if normalize not in ("none", "divisive"):
@@ -46,27 +46,39 @@ class LinearAttention(Mixer):
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
-        q, k, v = self._features(x, packed=cu_seqlens is not None)
         initial = None
-        if self.sequence is not None:
-            initial, _ = linear_attention_entering(k, v, position_ids, self.sequence, self.normalize,
-                                                   cu_seqlens.numel() - 1)
+        if self.sequence is None:
+            q, k, v = self.qkv(x, cu_seqlens=cu_seqlens, position_ids=position_ids)
+        else:
+            q, k, v, initial = self._on_slice(x, cu_seqlens, position_ids)
         o = linear_attention(q, k, v, causal=self.causal, normalize=self.normalize, cu_seqlens=cu_seqlens,
                              initial_state=initial, chunk_size=self.chunk_size, impl=self.impl)
         return self.o_proj(self.out_norm(o).reshape(batch, seq_len, self.dim))
 
+    def _on_slice(self, x, cu_seqlens, position_ids):
+        """The op's q, k, v on this rank's slice, and the state entering each of its packed documents."""
+        convolutions = SliceConvolutions(self, x, position_ids, self.sequence)
+        q, k, v = self.features(*self.split(convolutions.early, packed=True))
+        initial, packet = linear_attention_entering(k, v, position_ids, self.sequence, self.normalize,
+                                                    cu_seqlens.numel() - 1, convolutions=convolutions)
+        if self.short_conv:  # the first K − 1 tokens again, now with the previous rank's halo
+            q, k, v = self.features(*self.split(convolutions.final(packet), packed=True))
+        return q, k, v, initial
+
     def forward_with_state(self, x, state):
-        q, k, v = self._features(x)
+        """The state is the op's and the short convolutions' tails (None without ``short_conv``)."""
+        state, tails = state if state is not None else (None, None)
+        (q, k, v), tails = self.qkv_continuing(x, tails)
         impl = "recurrent" if x.shape[1] == 1 else self.impl  # one decoded token: no chunks to set up
         o, state = linear_attention(q, k, v, causal=True, normalize=self.normalize, initial_state=state,
                                     output_final_state=True, chunk_size=self.chunk_size, impl=impl)
-        return self.o_proj(self.out_norm(o).reshape(*x.shape[:2], self.dim)), state
+        return self.o_proj(self.out_norm(o).reshape(*x.shape[:2], self.dim)), (state, tails)
 
-    def _features(self, x, *, packed=False):
+    def features(self, q, k, v):
         phi = FEATURE_MAPS[self.feature_map]
-        q, k, v = self.qkv(x, packed=packed)
         return phi(q), phi(k), v
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Four projections and the recurrent form's work: a d×d state update and read per head (seq_len-free)."""
+        """Four projections (and short convolutions) and the recurrent form's work: a d×d state update and read per
+        head (seq_len-free)."""
         return self.projection_flops() + 2 * 2 * self.dim * self.head_dim

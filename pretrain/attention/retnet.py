@@ -6,7 +6,8 @@ scaled by ``D^{−1/2}`` and q, k rotated by RoPE at their in-document positions
 scaling, as the released code later did); a per-head RMSNorm (the paper's GroupNorm), the swish gate
 ``silu(x W_g) ⊙ o``, the output projection. ``decay``: ``retnet`` (``γ_h = 1 − 2^{−5−h}``) or ``lightning``
 (Lightning Attention's, MiniMax-01: ALiBi slopes ``s_h`` scaled per layer, ``γ_h = exp(−s_h·(1 − l/(L−1) + 1e−5))``).
-``short_conv: K`` puts a causal depthwise convolution (SiLU) on q, k and v (0: none, the paper's layer).
+``short_conv: K`` (the base class's option, 4 here) puts a causal depthwise convolution (SiLU) on each of q, k and v
+(0: none, the paper's layer).
 """
 import math
 
@@ -20,7 +21,6 @@ from .common import token_positions
 from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import decayed_conv_entering
-from .short_conv import ShortConvolution
 
 DECAYS = ("retnet", "lightning")
 
@@ -57,38 +57,26 @@ class Retention(Mixer):
                  num_layers: int = 1, rope: bool = True, rope_theta: float = 10000.0, short_conv: int = 4,
                  norm_eps: float = 1e-6, chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False,
                  o_bias: bool = False):
-        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
         if not causal:
             raise ValueError("retnet is built causal here (retention's non-causal form is not implemented)")
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, short_conv=short_conv)
         if decay not in DECAYS:
             raise ValueError(f"retnet: decay must be one of {DECAYS}; got {decay!r}")
         if not 0 <= layer_index < num_layers:
             raise ValueError(f"retnet: layer_index must lie in [0, num_layers = {num_layers}); got {layer_index}")
-        if short_conv < 0:
-            raise ValueError(f"retnet: short_conv must be ≥ 0 (0: none); got {short_conv}")
         self.rope, self.rope_theta, self.chunk_size, self.impl = rope, rope_theta, chunk_size, impl
         self.log_decay = (retnet_log_decay(num_heads) if decay == "retnet"
                           else lightning_log_decay(num_heads, layer_index, num_layers))  # fp64, [H]
         self.gate_proj = nn.Linear(dim, dim, bias=False)
         self.group_norm = RMSNorm(self.head_dim, eps=norm_eps)
-        self.conv = ShortConvolution(3 * dim, short_conv) if short_conv else None
-
-    @property
-    def halo(self) -> int:
-        """How many tokens before a slice its convolution reads."""
-        return 0 if self.conv is None else self.conv.halo
-
-    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
-        if slice_len < self.halo:
-            raise ValueError(f"a slice of {slice_len} tokens is shorter than retnet's convolution reach "
-                             f"({self.halo} tokens): use fewer sequence ranks or a smaller short_conv")
+        self.reach = max(short_conv - 1, 0)  # tokens before a slice (or a decoded piece) the convolutions read
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
         if position_ids is None:
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
         features = self._features(x)
-        convolved = features if self.conv is None else self.conv(features, position_ids=position_ids)
+        convolved = self._convolved(features, position_ids)
         q, k, v = self._heads(convolved, position_ids)  # zeros before a slice: see below
         g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         if cu_seqlens is not None:
@@ -97,11 +85,11 @@ class Retention(Mixer):
         if self.sequence is not None:  # the earlier slices' state, and their last features for the first tokens
             self.check_sequence_parallel(self.sequence.size, seq_len)
             initial, before = decayed_conv_entering(k, v, g.expand(*k.shape[:3]), features, position_ids,
-                                                    self.sequence, cu_seqlens.numel() - 1, halo=self.halo,
+                                                    self.sequence, cu_seqlens.numel() - 1, halo=self.reach,
                                                     head_keys_values=self._head_keys_values)
-            if self.halo:
-                first = self.conv(features[:, :self.halo], position_ids=position_ids[:, :self.halo], before=before)
-                q, k, v = self._heads(torch.cat([first, convolved[:, self.halo:]], dim=1), position_ids)
+            if self.reach:
+                first = self._convolved(features[:, :self.reach], position_ids[:, :self.reach], before)
+                q, k, v = self._heads(torch.cat([first, convolved[:, self.reach:]], dim=1), position_ids)
                 q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
         o = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
                                      chunk_size=self.chunk_size, impl=self.impl)
@@ -114,17 +102,27 @@ class Retention(Mixer):
         attn_state, before, seen = state if state is not None else (None, None, 0)
         features = self._features(x)
         positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
-        q, k, v = self._heads(features if self.conv is None else self.conv(features, before=before), positions)
+        q, k, v = self._heads(self._convolved(features, None, before), positions)
         g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
         impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up
         o, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
                                                  chunk_size=self.chunk_size, impl=impl)
-        tail = None if self.conv is None else self.conv.tail(features, before)
+        tail = None
+        if self.short_conv:  # the convolutions' last inputs, oldest first
+            tail = torch.cat([before if before is not None else features.new_zeros(batch, self.reach, 3 * self.dim),
+                              features], dim=1)[:, seq_len:]
         return self._output(x, o), (attn_state, tail, seen + seq_len)
 
     def _features(self, x):
-        """q, k, v side by side ``[B, T, 3·C]``: what the convolution (if any) mixes."""
-        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        """q, k, v side by side ``[B, T, 3·C]``: what the short convolutions (if any) mix."""
+        return torch.cat(self.projections(x), dim=-1)
+
+    def _convolved(self, features, position_ids=None, before=None):
+        """q, k, v side by side through the base class's short convolutions (unchanged without ``short_conv``);
+        ``before [B, K − 1, 3·C]``: the inputs just before these (None: zeros)."""
+        parts = list(features.chunk(3, dim=-1))
+        return torch.cat(self.convolved(parts, position_ids, None if before is None else before.chunk(3, dim=-1)),
+                         dim=-1)
 
     def _heads(self, convolved, position_ids):
         """q, k, v ``[B, T, H, D]`` from the (convolved) features: k scaled by ``D^{−1/2}``, q and k rotated (if
@@ -137,7 +135,7 @@ class Retention(Mixer):
 
     def _head_keys_values(self, features, before, positions):
         """k, v of a slice's first tokens from their features, the halo ``before`` them and their positions."""
-        _, k, v = self._heads(self.conv(features, position_ids=positions, before=before), positions)
+        _, k, v = self._heads(self._convolved(features, positions, before), positions)
         return k, v
 
     def _output(self, x, o):
@@ -146,6 +144,6 @@ class Retention(Mixer):
         return self.o_proj(nn.functional.silu(self.gate_proj(x)) * o)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Five projections, the convolution, and the recurrent form's state update and read per head."""
-        conv = 0.0 if self.conv is None else self.conv.flops_per_token()
-        return self.projection_flops() * 5 / 4 + conv + 2 * 2 * self.dim * self.head_dim
+        """Four projections and the short convolutions, the gate, and the recurrent form's state update and read
+        per head."""
+        return self.projection_flops() + 2 * self.dim * self.dim + 2 * 2 * self.dim * self.head_dim

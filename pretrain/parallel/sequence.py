@@ -103,7 +103,8 @@ Combine = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], Sequence[to
 
 def exchange_with_earlier_ranks(handed_on: Sequence[torch.Tensor], layout: SliceLayout, shard: SequenceShard,
                                 combine: Combine, *, shared: Sequence[torch.Tensor] = (),
-                                handed_to_next: Sequence[torch.Tensor] = ()
+                                handed_to_next: Sequence[torch.Tensor] = (),
+                                first_states: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
                                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """One all-gather of what each rank hands on: the fields of its slice's final state (each ``[B, ...]``, computed
     from zero) and ``shared`` tensors (e.g. its last few tokens, a halo).
@@ -112,8 +113,11 @@ def exchange_with_earlier_ranks(handed_on: Sequence[torch.Tensor], layout: Slice
     afresh at every rank where a document began (rank 0 gets its own state, unused: its rows start documents) — and
     every rank's copy of each ``shared`` tensor, ``[size, ...]``. ``handed_to_next``, when given, is what a rank's
     right neighbour takes instead of its full state (a state without the halo that travels as tokens); ranks further
-    right still take the full one. Callers must use the state only where ``layout.continues``, and use it
-    (zero-weighted elsewhere) on every rank: backward is collective.
+    right still take the full one. ``first_states``, when given, maps the gathered ``shared`` tensors to the state
+    of every rank's first tokens (``[size, B, ...]`` per field), which the ranks left out of what they handed on
+    because those tokens read the rank before them (a short convolution's halo): it is put in front of each rank's
+    state before the fold. Callers must use the state only where ``layout.continues``, and use it (zero-weighted
+    elsewhere) on every rank: backward is collective.
     """
     parts = [*handed_on, *handed_to_next, *shared, layout.resets]
     dtype = torch.float32
@@ -129,9 +133,15 @@ def exchange_with_earlier_ranks(handed_on: Sequence[torch.Tensor], layout: Slice
     states, to_next = fields[:count], fields[count:count + len(handed_to_next)] or fields[:count]
     halos, resets = fields[count + len(handed_to_next):-1], fields[-1] > 0.5
 
-    entering = [field[0] for field in (to_next if shard.rank == 1 else states)]
+    firsts = first_states(halos) if first_states is not None else None
+
+    def handed_on_by(j: int) -> list[torch.Tensor]:
+        state = [field[j] for field in (to_next if j == shard.rank - 1 else states)]
+        return state if firsts is None else list(combine([field[j] for field in firsts], state))
+
+    entering = handed_on_by(0)
     for j in range(1, shard.rank):
-        later = [field[j] for field in (to_next if j == shard.rank - 1 else states)]
+        later = handed_on_by(j)
         merged = combine(entering, later)
         entering = [torch.where(_rows(resets[j], fresh), fresh, old) for fresh, old in zip(later, merged)]
     return entering, halos

@@ -122,6 +122,23 @@ def test_mixers_that_cannot_run_on_meta_are_approximated_and_named(test_mixers):
     assert data_dependent - saves_nothing == 3 * 5 * (2 * 24 * 32) * 4  # layers × 5·dim values per token × fp32
 
 
+def test_the_approximation_counts_what_short_convolutions_save():
+    """Per q, k, v a short convolution keeps its input, the input with K − 1 zero rows in front, and the pre-SiLU
+    values: 9·dim values per token more, which the approximation adds and a real forward shows (with the zero rows
+    and the document masks of each tap)."""
+    def approximated(short_conv):
+        result = estimate(tiny("model.mixer=linear", f"model.mixer_options.linear.short_conv={short_conv}"), 1)
+        assert result["activations_approximated_for"] == ["LinearAttention"]
+        return result["memory_breakdown_bytes"]["activations"]
+
+    layers, tokens, dim, fp32 = 3, 2 * 24, 32, 4
+    assert approximated(4) - approximated(0) == layers * 9 * tokens * dim * fp32
+    real = [saved_bytes_of_a_real_forward(tiny("model.mixer=linear", f"model.mixer_options.linear.short_conv={k}"))
+            for k in (0, 4)]
+    zero_rows, masks = 3 * 2 * 3 * dim * fp32, 3 * 3 * tokens  # per conv B × (K − 1) zero rows, K − 1 bool masks
+    assert real[1] - real[0] == layers * (9 * tokens * dim * fp32 + zero_rows + masks)
+
+
 def test_activations_grow_linearly_in_tokens_with_no_quadratic_term():
     def activations(seq_len):
         return estimate(tiny(f"train.seq_len={seq_len}"), 1)["memory_breakdown_bytes"]["activations"]

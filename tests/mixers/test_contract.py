@@ -45,3 +45,13 @@ def test_decoding_with_biases_continues_the_parallel_form(make_mixer, name):
         y_t, state = mixer.step(x[:, t], state)
         steps.append(y_t)
     torch.testing.assert_close(torch.cat([y, torch.stack(steps, 1)], 1), mixer(x), rtol=1e-10, atol=1e-10)
+
+
+# mamba2's short convolution (over x, B, C, its conv_size) is part of the layer, not an option on q, k, v
+LINEAR_STATE = {name for name, cls in REGISTRY.items() if cls.supports_causal} - {"softmax", "aft_full", "mamba2"}
+
+
+@pytest.mark.parametrize("name", sorted(LINEAR_STATE))
+def test_every_linear_state_causal_mixer_offers_a_short_convolution(name):
+    """``short_conv: K`` on every causal mixer with a fixed-size state (softmax and AFT-full keep every token)."""
+    assert "short_conv" in mixer_options(name), name

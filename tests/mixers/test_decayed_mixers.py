@@ -26,8 +26,8 @@ def retention_reference(m, x):
     """Multi-scale retention, parallel form: per head ``(Q Kᵀ ⊙ D) V``, ``D_nm = γ_h^{n−m}`` for n ≥ m."""
     batch, length, _ = x.shape
     q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
-    if m.conv is not None:  # one kernel per channel of q, k, v side by side, no bias
-        q, k, v = (depthwise_causal_conv(t, w, None) for t, w in zip((q, k, v), m.conv.weight.chunk(3)))
+    if m.short_conv:  # one kernel per channel of each of q, k, v, no bias
+        q, k, v = (depthwise_causal_conv(t, conv.weight, None) for t, conv in zip((q, k, v), m.convolutions()))
     q, k, v = (t.view(batch, length, HEADS, -1) for t in (q, k, v))
     k = k / k.shape[-1] ** 0.5
     positions = torch.arange(length).expand(batch, length)

@@ -76,6 +76,48 @@ def test_packed_documents_equal_separate_sequences(make_mixer, name, causal):
     assert torch.isfinite(x.grad).all() and x.grad.abs().amax() > 0
 
 
+SHORT_CONV = ["aft_local", "aft_simple", "cosine", "efficient", "inline", "linear"]  # the linear-state causal mixers
+
+
+@pytest.mark.parametrize("name", SHORT_CONV)
+def test_short_conv_never_crosses_a_document_start(make_mixer, name):
+    """Packed rows with one-token documents and documents shorter than the K − 1 = 3 taps give what each document
+    gives alone, gradients included: no tap reads the document before."""
+    mixer = make_mixer(name, causal=True, **SEQUENCE_MIXERS[name], short_conv=4)
+    lengths = [[2, 1, 9], [5, 1, 1, 5]]
+    x = torch.randn(2, 12, DIM, dtype=torch.float64, requires_grad=True)
+    position_ids = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in lengths])
+    packed = mixer(x, cu_seqlens=cu_seqlens_from_position_ids(position_ids), position_ids=position_ids)
+    upstream = torch.randn_like(packed)
+    packed_grad, = torch.autograd.grad((packed * upstream).sum(), x)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for n in row_lengths:
+            part = slice(start, start + n)
+            piece = x[row:row + 1, part].detach().requires_grad_()
+            alone = mixer(piece)
+            alone_grad, = torch.autograd.grad((alone * upstream[row:row + 1, part]).sum(), piece)
+            torch.testing.assert_close(packed[row:row + 1, part], alone, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(packed_grad[row:row + 1, part], alone_grad, rtol=1e-10, atol=1e-10)
+            start += n
+
+
+@pytest.mark.parametrize("name", SHORT_CONV)
+def test_short_conv_changes_the_mixer_and_is_counted(make_mixer, name):
+    """K taps over q, k and v: three depthwise kernels with their FLOPs, trained like the rest; 0 leaves the mixer
+    as it was (no parameters, so old checkpoints load)."""
+    plain = make_mixer(name, causal=True, **SEQUENCE_MIXERS[name])
+    mixer = make_mixer(name, causal=True, **SEQUENCE_MIXERS[name], short_conv=4)
+    extra = {key: p.shape for key, p in mixer.named_parameters() if key not in dict(plain.named_parameters())}
+    assert extra == {f"{x}_conv.weight": (DIM, 4) for x in "qkv"}
+    assert mixer.flops_per_token(32) == plain.flops_per_token(32) + 3 * 2 * 4 * DIM
+    x = torch.randn(2, 10, DIM, dtype=torch.float64)
+    mixer(x).square().sum().backward()
+    assert all(mixer.get_parameter(key).grad.abs().amax() > 0 for key in extra)
+    with pytest.raises(ValueError, match="short_conv must be ≥ 0"):
+        build_mixer(name, DIM, HEADS, causal=True, options={**SEQUENCE_MIXERS[name], "short_conv": -1})
+
+
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_gradients_reach_every_parameter(make_mixer, name):
     options = ALL[name]

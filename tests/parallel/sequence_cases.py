@@ -38,12 +38,22 @@ CASES = {
     "retnet_lightning_no_conv": Case("retnet", {"chunk_size": 16, "decay": "lightning", "layer_index": 1,
                                                 "num_layers": 3, "short_conv": 0}),
     "mamba2": Case("mamba2", {"chunk_size": 16, "state_size": 8}),
+    # short convolutions: the K − 1 inputs before a slice come in the states' packet (one variant per mixer; at
+    # N = 4 the 12-token slices just hold InLine's 3 + 3 and AFT-local's 4 + 3 halo tokens)
+    "linear_short_conv": Case("linear", {"chunk_size": 16, "short_conv": 4}),
+    "cosine_short_conv": Case("cosine", {"chunk_size": 16, "short_conv": 3}),
+    "inline_short_conv": Case("inline", {"chunk_size": 16, "conv_size": 4, "short_conv": 4}),
+    "efficient_short_conv": Case("efficient", {"chunk_size": 16, "short_conv": 4}),
+    "aft_simple_short_conv": Case("aft_simple", {"chunk_size": 16, "short_conv": 4}),
+    "aft_local_short_conv": Case("aft_local", {"chunk_size": 16, "window": 5, "short_conv": 4}),
 }
 
 
 # A whole LM whose layers run every sequence-parallel mixer in turn, scored by its own fused loss: the embedding,
-# norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange.
-MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "retnet", "mamba2"]
+# norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange (cosine's with its
+# short convolutions' halo).
+MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "retnet",
+                "mamba2"]
 
 
 def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
@@ -58,7 +68,7 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              "model.mixer_options.linear.chunk_size=16", "model.mixer_options.inline.chunk_size=16",
                              "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
                              "model.mixer_options.aft_local.chunk_size=16",
-                             "model.mixer_options.aft_simple.chunk_size=16",
+                             "model.mixer_options.aft_simple.chunk_size=16", "model.mixer_options.cosine.short_conv=4",
                              "model.mixer_options.retnet.chunk_size=16", "model.mixer_options.mamba2.chunk_size=16",
                              "model.mixer_options.mamba2.state_size=8"])
     torch.manual_seed(0)

@@ -21,9 +21,14 @@ def config(*overrides):
     (["model.mixer=aft_full", "model.mixer_options.aft_full.max_seq_len=64", "parallel.sequence_parallel=2"],
      "AFTFull has no sequence-parallel form"),
     (["model.mixer=inline", "model.mixer_options.inline.conv_size=8", "train.seq_len=8",
-      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the causal convolution's reach (7"),
+      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the 7 tokens before it that InLine"),
     (["model.mixer=aft_local", "model.mixer_options.aft_local.window=8", "train.seq_len=8",
-      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the band's reach (7"),
+      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the 7 tokens before it that AFTLocal"),
+    (["model.mixer=linear", "model.mixer_options.linear.short_conv=6", "train.seq_len=8",
+      "parallel.sequence_parallel=2"], "shorter than the 5 tokens before it that LinearAttention reads (0 for its "
+                                       "local window, 5 for short_conv)"),
+    (["model.mixer=aft_local", "model.mixer_options.aft_local.window=3", "model.mixer_options.aft_local.short_conv=4",
+      "train.seq_len=8", "parallel.sequence_parallel=2"], "shorter than the 5 tokens before it that AFTLocal reads"),
     (["model.layer_pattern=[linear,aft_full]", "model.mixer_options.aft_full.max_seq_len=64",
       "parallel.sequence_parallel=2"], "mixer 'aft_full' cannot split rows into 2 slices"),
 ])
