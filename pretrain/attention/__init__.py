@@ -12,3 +12,5 @@ from . import efficient
 from . import inline
 from . import aft
 from . import soft
+from . import retnet
+from . import mamba2

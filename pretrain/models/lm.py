@@ -23,10 +23,13 @@ def layer_mixers(model_cfg: ModelConfig) -> list[str]:
     return [pattern[i % len(pattern)] for i in range(model_cfg.n_layers)]
 
 
-def mixer_kwargs(model_cfg: ModelConfig, name: str) -> dict:
-    """The options ``name`` is built with: shared model keys it accepts, then ``model.mixer_options.<name>``."""
+def mixer_kwargs(model_cfg: ModelConfig, name: str, layer_index: int = 0) -> dict:
+    """The options ``name`` is built with: shared model keys it accepts, its place in the stack (``layer_index``,
+    ``num_layers``) if it declares them (a per-layer decay schedule does), then ``model.mixer_options.<name>``."""
     accepted = mixer_options(name)
     options = {key: getattr(model_cfg, key) for key in SHARED_MIXER_OPTIONS if key in accepted}
+    place = {"layer_index": layer_index, "num_layers": model_cfg.n_layers}
+    options.update({key: value for key, value in place.items() if key in accepted})
     options.update(model_cfg.mixer_options.get(name) or {})
     return options
 
@@ -71,10 +74,12 @@ class CausalLM(nn.Module):
             )
         hidden = swiglu_hidden(dim, model_cfg.ffn_hidden, model_cfg.multiple_of)
         self.embed = nn.Embedding(vocab, dim)
+        names = layer_mixers(model_cfg)
         self.layers = nn.ModuleList(
-            Block(build_mixer(name, dim, model_cfg.n_heads, causal=True, options=mixer_kwargs(model_cfg, name)),
+            Block(build_mixer(name, dim, model_cfg.n_heads, causal=True,
+                              options=mixer_kwargs(model_cfg, name, layer_index=index)),
                   dim, hidden, model_cfg.norm_eps)
-            for name in layer_mixers(model_cfg)
+            for index, name in enumerate(names)
         )
         self.norm = RMSNorm(dim, eps=model_cfg.norm_eps)
         self.lm_head = LMHead(dim, vocab)

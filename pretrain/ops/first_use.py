@@ -45,7 +45,7 @@ def forget_verdicts() -> None:
     _verdicts.clear()
 
 
-def check_inputs(shapes: Sequence[tuple[int, ...]], *, like: torch.Tensor, positive: Sequence[bool] = (),
+def sample_inputs(shapes: Sequence[tuple[int, ...]], *, like: torch.Tensor, positive: Sequence[bool] = (),
                  seed: int = 0) -> list[torch.Tensor]:
     """Random tensors of ``shapes`` on ``like``'s device and dtype, from a private generator (uniform in [0, 1)
     where ``positive[i]``, as features after φ are; standard normal elsewhere)."""
@@ -66,7 +66,7 @@ def _compare(kernel, reference, inputs) -> str | None:
             mine = [x.detach().clone().requires_grad_() for x in inputs]
             theirs = [x.detach().to(wide).requires_grad_() for x in inputs]
             got, want = kernel(*mine), reference(*theirs)
-            upstream = check_inputs([tuple(want.shape)], like=want, seed=1)[0]
+            upstream = sample_inputs([tuple(want.shape)], like=want, seed=1)[0]
             got_grads = torch.autograd.grad(got, mine, upstream.to(got.dtype))
             want_grads = torch.autograd.grad(want, theirs, upstream)
     except Exception as err:  # any failure of an unproven kernel means: do not use it

@@ -22,6 +22,11 @@ CAUSAL_CASES = [
     ("aft_local", {"window": 3, "chunk_size": 4}),
     ("aft_local", {"window": 6, "chunk_size": 4}),
     ("aft_simple", {"chunk_size": 4}),
+    ("retnet", {"chunk_size": 4}),
+    ("retnet", {"chunk_size": 4, "short_conv": 0, "rope": False, "decay": "lightning", "layer_index": 2,
+                "num_layers": 4}),
+    ("mamba2", {"chunk_size": 4, "state_size": 8}),
+    ("mamba2", {"chunk_size": 4, "state_size": 8, "conv_size": 1, "expand": 1}),
     # short convolutions: their last K − 1 inputs are part of the state (K = 4 reaches past a 1- or 2-token prompt)
     ("linear", {"short_conv": 4}),
     ("cosine", {"short_conv": 3}),

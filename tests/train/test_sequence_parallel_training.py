@@ -5,7 +5,8 @@ steps of two accumulated micro-batches. With ``parallel.sequence_parallel=2`` on
 one rank reads alone, so the global batch is the same: losses, gradient norms, validation losses and final weights
 must match one rank's to 1e-5 (fp32; the sums run in another order), under ZeRO 0, 2 and 3 (with activation
 checkpointing, which replays the forward's collectives in backward). Then data × sequence parallel on 4 ranks against
-data parallel on 2, and an exact resume of a sequence-parallel run.
+data parallel on 2, an exact resume of a sequence-parallel run, and a mamba2 LM (a decayed state and a convolution
+halo crossing ranks) split over 2 ranks against one.
 """
 import shutil
 
@@ -20,9 +21,14 @@ pytestmark = pytest.mark.dist
 STEPS = 4
 
 
-def overrides(lm_data, run_dir, *, stage=0, sp=1, **extra):
+LAYERS = {"hybrid": {"model__layer_pattern": "[linear,softmax]"},
+          "mamba2": {"model__layer_pattern": "[mamba2]", "model__mixer_options__mamba2__chunk_size": 16,
+                     "model__mixer_options__mamba2__state_size": 16}}
+
+
+def overrides(lm_data, run_dir, *, stage=0, sp=1, layers="hybrid", **extra):
     return tiny_overrides(lm_data, run_dir, deepspeed__zero_stage=stage, parallel__sequence_parallel=sp,
-                          model__layer_pattern="[linear,softmax]", model__mixer_options__linear__chunk_size=16,
+                          **LAYERS[layers], model__mixer_options__linear__chunk_size=16,
                           train__seq_len=96, train__grad_accum_steps=2, train__max_steps=STEPS,
                           schedule__warmup_steps=1, log__val_every=2, log__val_batches=4,
                           checkpoint__every=2, optim__eps=1e-6, **extra)
@@ -34,15 +40,15 @@ def overrides(lm_data, run_dir, *, stage=0, sp=1, **extra):
 
 @pytest.fixture(scope="module")
 def runs(lm_data, tmp_path_factory):
-    """``runs(ranks, sp, stage)``: the directory of a finished run (each launched once)."""
+    """``runs(ranks, sp, stage, layers)``: the directory of a finished run (each launched once)."""
     root, done = tmp_path_factory.mktemp("sp_runs"), {}
 
-    def get(ranks: int, sp: int, stage: int = 0):
-        key = (ranks, sp, stage)
+    def get(ranks: int, sp: int, stage: int = 0, layers: str = "hybrid"):
+        key = (ranks, sp, stage, layers)
         if key not in done:
-            run = root / f"r{ranks}_sp{sp}_z{stage}"
+            run = root / f"r{ranks}_sp{sp}_z{stage}_{layers}"
             recompute = {"deepspeed__activation_checkpointing": "true"} if stage == 3 else {}  # collectives replayed
-            launch(overrides(lm_data, run, stage=stage, sp=sp, **recompute), ranks=ranks)
+            launch(overrides(lm_data, run, stage=stage, sp=sp, layers=layers, **recompute), ranks=ranks)
             done[key] = run
         return done[key]
 
@@ -68,6 +74,10 @@ def assert_same_training(run, reference, stage, ref_stage=0):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_two_sequence_ranks_train_as_one_rank(runs, stage):
     assert_same_training(runs(2, 2, stage), runs(1, 1), stage)
+
+
+def test_a_mamba2_lm_on_two_sequence_ranks_trains_as_one_rank(runs):
+    assert_same_training(runs(2, 2, layers="mamba2"), runs(1, 1, layers="mamba2"), 0)
 
 
 def test_data_and_sequence_parallel_on_four_ranks_train_as_data_parallel_on_two(runs):

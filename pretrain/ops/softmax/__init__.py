@@ -12,7 +12,7 @@ and hold a (B·T)² mask.
 import torch
 
 from ..documents import per_document
-from ..first_use import check_inputs, first_use_ok
+from ..first_use import sample_inputs, first_use_ok
 from .kernels import flash, flash_available, sdpa
 from .naive import softmax_attention_naive
 
@@ -42,7 +42,7 @@ def _flash_trusted(q, v, causal, cu_seqlens) -> bool:
     length, packed = 77, cu_seqlens is not None
     key = ("flash_attn", str(q.device), q.dtype, q.shape[3], v.shape[3], causal, packed)
     heads = min(q.shape[2], 2)
-    inputs = check_inputs([(1, length, heads, q.shape[3])] * 2 + [(1, length, heads, v.shape[3])], like=q)
+    inputs = sample_inputs([(1, length, heads, q.shape[3])] * 2 + [(1, length, heads, v.shape[3])], like=q)
     cu = torch.tensor([0, 30, length], device=q.device, dtype=torch.int32) if packed else None
     return first_use_ok(key, lambda q, k, v: flash(q, k, v, causal, cu),
                         lambda q, k, v: _sdpa(q, k, v, causal, cu), inputs,
