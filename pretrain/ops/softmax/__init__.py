@@ -12,7 +12,7 @@ and hold a (B·T)² mask.
 import torch
 
 from ..documents import per_document
-from ..first_use import sample_inputs, first_use_ok
+from ..first_use import first_use_ok, sample_inputs
 from .kernels import flash, flash_available, sdpa
 from .naive import softmax_attention_naive
 
