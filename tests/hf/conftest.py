@@ -3,14 +3,13 @@
 The tests need the ``hf`` extra (``pip install -e '.[hf]'``; ``make setup`` installs it): each module skips without
 it."""
 import random
-from dataclasses import asdict
 
 import pytest
 
 from pretrain.data import train_tokenizer
 from pretrain.train.export import write_export
 
-from tiny_lms import random_lm
+from tiny_lms import random_lm, run_config
 
 WORDS = ["the", "a", "river", "stone", "light", "über", "naïve", "日本", "😀", "x=1;", "42", "▁mark", "\n"]
 
@@ -35,7 +34,7 @@ def export(tokenizer_model, tmp_path_factory):
         if key not in done:
             lm, cfg = random_lm(pattern, 300, **model)
             done[key] = root / "-".join(map(str, key))
-            write_export(lm, {"task": "lm", "model": asdict(cfg), "data": {"tokenizer": tokenizer_model}}, done[key])
+            write_export(lm, run_config(cfg, tokenizer_model), done[key])
         return done[key]
 
     return get

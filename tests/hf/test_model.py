@@ -110,16 +110,22 @@ def test_loss_is_the_mean_nll_of_the_shifted_labels(export):
 
 @pytest.mark.parametrize("tie", [True, False])
 def test_save_pretrained_round_trips(export, tmp_path, tie):
+    """Saved by transformers (after a fine-tune, say), the directory loads through transformers, load_pretrained
+    and the tools' loader alike."""
+    from pretrain.train.checkpoint import load_trained_model
+
     directory = export(HYBRID, tie_embeddings=tie)
     model = AutoModelForCausalLM.from_pretrained(directory)
     assert (model.lm_head.weight is model.embed.weight) == tie
     model.save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(directory).save_pretrained(tmp_path)
     tokens = ids(2, 20, seed=8)
     with torch.no_grad():
         expected = model(tokens).logits
-        for loaded in (AutoModelForCausalLM.from_pretrained(tmp_path), load_pretrained(tmp_path)):
-            got = loaded(tokens)
-            torch.testing.assert_close(getattr(got, "logits", got), expected, rtol=0, atol=0)
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(tokens).logits, expected,
+                                   rtol=0, atol=0)
+        for loaded in (load_pretrained(tmp_path), load_trained_model(tmp_path)[0]):
+            torch.testing.assert_close(loaded(tokens), expected, rtol=0, atol=0)
 
 
 def test_a_random_model_is_built_from_the_config_alone(export):

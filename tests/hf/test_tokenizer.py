@@ -1,15 +1,13 @@
 """Issue 27, item 3: ``AutoTokenizer`` on an exported directory gives the ids ``pretrain.data.Tokenizer`` gives, with
 the special-token conventions of training (nothing added; ``add_bos_token=True`` puts the ``eos`` a document follows
 in front)."""
-from dataclasses import asdict
-
 import pytest
 
 from pretrain.data import Tokenizer, train_tokenizer
 from pretrain.data.tokenizer import EOS_ID, PAD_ID
 from pretrain.train.export import write_export
 
-from tiny_lms import random_lm
+from tiny_lms import random_lm, run_config
 
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
 from transformers import AutoTokenizer
@@ -52,7 +50,7 @@ def test_ids_equal_ours_on_every_line_of_wikitext_2_test(shared_data, tmp_path):
     wikitext = shared_data / "text" / "wikitext-2"
     ours = train_tokenizer([str(wikitext / "train.txt")], 1000, str(tmp_path / "wiki"), sample_bytes=300_000)
     lm, cfg = random_lm(["linear"], ours.vocab_size)
-    write_export(lm, {"task": "lm", "model": asdict(cfg), "data": {"tokenizer": ours.path}}, tmp_path / "export")
+    write_export(lm, run_config(cfg, ours.path), tmp_path / "export")
     theirs = AutoTokenizer.from_pretrained(tmp_path / "export")
     lines = (wikitext / "test.txt").read_text(encoding="utf-8").split("\n")
     assert len(lines) == 4359  # 4,358 lines and the empty string after the last newline

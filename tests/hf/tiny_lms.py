@@ -1,8 +1,9 @@
 """Tiny LMs for the transformers tests: every causal mixer registered, and random weights that spread the logits."""
 import torch
+from omegaconf import OmegaConf
 
 from pretrain.attention import REGISTRY
-from pretrain.config import ModelConfig
+from pretrain.config import Config, ModelConfig
 from pretrain.models import build_lm
 
 # every causal mixer registered, so a new one is tested without a change here, and a hybrid of three kinds
@@ -22,3 +23,10 @@ def random_lm(pattern: list[str], vocab_size: int, seed: int = 0, **model):
             if param.dim() >= 2:
                 param.normal_(0, 1.0 / param.shape[-1] ** 0.5)
     return lm, cfg
+
+
+def run_config(model: ModelConfig, tokenizer: str) -> dict:
+    """The resolved config of a run of that model, as an exported config.json holds it."""
+    config = OmegaConf.to_container(OmegaConf.structured(Config(model=model)))
+    config["data"].update(tokenizer=tokenizer, train_shards="shards/{000000..000000}.tar")
+    return config
