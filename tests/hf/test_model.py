@@ -149,3 +149,11 @@ def test_import_pretrain_registers_without_importing_transformers():
     for code in (light + check, "import transformers, pretrain; " + check):
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.dist
+def test_a_missing_extra_is_named_with_its_pip_command():
+    code = "import sys; sys.modules['transformers'] = None; import pretrain; import pretrain.hf"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "ImportError: pretrain.hf needs the 'hf' extra: pip install -e '.[hf]'" in result.stderr
