@@ -6,12 +6,11 @@ loading transformers (seconds) for training, which never needs it.
 """
 import importlib.util
 import sys
-from importlib.abc import MetaPathFinder
 
 
-class _RegisterWithTransformers(MetaPathFinder):
-    """Finds nothing itself: when ``transformers`` is first imported, it has that module's own loader run and then
-    imports ``pretrain.hf``, which registers our classes."""
+class _RegisterWithTransformers:
+    """A ``sys.meta_path`` finder that finds nothing itself: when ``transformers`` is first imported, it has that
+    module's own loader run and then imports ``pretrain.hf``, which registers our classes."""
 
     def find_spec(self, name, path, target=None):
         if name != "transformers":
@@ -22,7 +21,13 @@ class _RegisterWithTransformers(MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            importlib.import_module("pretrain.hf")
+            try:
+                importlib.import_module("pretrain.hf")
+            except Exception as err:  # transformers itself must still import (another version, say)
+                import warnings
+
+                warnings.warn(f"pretrain.hf did not register with transformers {module.__version__}: {err}",
+                              stacklevel=2)
 
         spec.loader.exec_module = exec_module
         return spec
