@@ -23,7 +23,8 @@ class PretrainConfig(PretrainedConfig):
                           num_attention_heads=lm.n_heads, tie_word_embeddings=lm.tie_embeddings)
         # Training packs documents each after the previous one's eos, so a text begins after eos: eos is also the
         # "beginning of sequence" (as in GPT-2); the <s> piece never occurs in training.
-        kwargs.update(bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+        for key, value in (("bos_token_id", EOS_ID), ("eos_token_id", EOS_ID), ("pad_token_id", PAD_ID)):
+            kwargs.setdefault(key, value)
         super().__post_init__(**kwargs)
 
     def lm_config(self):

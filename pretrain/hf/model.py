@@ -76,13 +76,10 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
     _input_embed_layer = "embed"
     _tied_weights_keys = {"lm_head.weight": "embed.weight"}  # tied when config.tie_word_embeddings (model section)
     _is_stateful = True  # transformers refuses assisted decoding, which would roll states back
-    _no_split_modules = ["Block"]
 
     # CausalLM's own passes, run on this module, which holds its submodules under the same names
     _forward_lm = CausalLM.forward
     forward_with_state = CausalLM.forward_with_state
-    prefill = CausalLM.prefill
-    step = CausalLM.step
 
     def __init__(self, config: PretrainConfig):
         super().__init__(config)
@@ -105,13 +102,15 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: MixerStateCache | None = None,
                 labels: torch.LongTensor | None = None, use_cache: bool | None = None,
-                logits_to_keep: int = 0, return_dict: bool | None = None, **unused) -> CausalLMOutputWithPast:
+                logits_to_keep: int = 0, **unused) -> CausalLMOutputWithPast:
         """Logits of ``input_ids [B, T]`` (of the last ``logits_to_keep`` tokens when > 0).
 
         With ``use_cache`` (or a ``cache``) the tokens continue the cache's states and the cache comes back
         holding the states after them; without, one parallel forward (``position_ids``, if given, restart at 0 at
         each packed document). ``labels`` are the inputs themselves, shifted inside (transformers' convention):
-        the loss is the mean NLL of ``labels[:, 1:]`` given the tokens before, -100 not scored.
+        the loss is the mean NLL of ``labels[:, 1:]`` given the tokens before, -100 not scored. Other keywords
+        transformers passes (``return_dict``, ...) change nothing; those asking for what this model does not give
+        are refused.
         """
         for name in ("inputs_embeds", "output_attentions", "output_hidden_states"):
             if unused.get(name) not in (None, False):

@@ -41,6 +41,7 @@ def test_greedy_generate_equals_tools_generate(export, pattern, load_tool):
     model, ours = AutoModelForCausalLM.from_pretrained(directory), load_pretrained(directory)
     prompt, new = ids(1, 70)[0].tolist(), 24
     expected = load_tool("generate").generate(ours, prompt, new, temperature=0.0, eos_id=EOS_ID)
+    assert model.generation_config.eos_token_id == EOS_ID  # generate stops where tools/generate.py stops
     out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
     assert out == expected + ([EOS_ID] if len(expected) < new else [])  # transformers keeps the eos it stops at
 
