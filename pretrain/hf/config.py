@@ -2,12 +2,12 @@
 
 The file stays what ``pretrain.models.load_pretrained`` reads: its sections (``task``, ``model``, ``data``, ...)
 are this config's attributes, written back unchanged by ``save_pretrained``. The few keys transformers looks for
-(vocabulary size, width, depth, tied embeddings, special ids) are derived from the ``model`` section, never stored
-twice by hand.
+(vocabulary size, width, depth, tied embeddings) are derived from the ``model`` section, never stored twice by
+hand. The special ids live in the model's generation config (``PretrainForCausalLM``), where transformers 5 reads
+them.
 """
 from transformers import PretrainedConfig
 
-from ..data.tokenizer import EOS_ID, PAD_ID
 from ..models.pretrained import TRANSFORMERS_KEYS, causal_lm_config
 
 
@@ -21,10 +21,6 @@ class PretrainConfig(PretrainedConfig):
             lm = self.lm_config()
             kwargs.update(vocab_size=lm.vocab_size, hidden_size=lm.dim, num_hidden_layers=lm.n_layers,
                           num_attention_heads=lm.n_heads, tie_word_embeddings=lm.tie_embeddings)
-        # Training packs documents each after the previous one's eos, so a text begins after eos: eos is also the
-        # "beginning of sequence" (as in GPT-2); the <s> piece never occurs in training.
-        for key, value in (("bos_token_id", EOS_ID), ("eos_token_id", EOS_ID), ("pad_token_id", PAD_ID)):
-            kwargs.setdefault(key, value)
         super().__post_init__(**kwargs)
 
     def lm_config(self):

@@ -23,8 +23,10 @@ from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..models.lm import CausalLM, build_lm
-from ..models.pretrained import TRANSFORMERS_MODULE, TRANSFORMERS_MODULE_SOURCE
+from ..models.pretrained import TRANSFORMERS_KEYS, TRANSFORMERS_MODULE, TRANSFORMERS_MODULE_SOURCE
 from .config import PretrainConfig
+
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class MixerStateCache(Cache):
@@ -87,6 +89,9 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("PretrainConfig has no 'model' section: load an exported directory (tools/export.py)")
         for name, module in build_lm(config.lm_config()).named_children():
             self.add_module(name, module)
+        # the special ids an exported config.json gives transformers' generation config, for a model built from a
+        # config alone too (from_config)
+        self.generation_config.update(**{key: TRANSFORMERS_KEYS[key] for key in SPECIAL_IDS})
         self.post_init()
 
     def _init_weights(self, module):

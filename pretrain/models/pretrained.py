@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
+from ..data.tokenizer import EOS_ID, PAD_ID
 from .lm import build_lm
 from .vision import build_vision_model
 
@@ -29,6 +30,9 @@ TRANSFORMERS_MODULE_SOURCE = (
 )
 TRANSFORMERS_KEYS = {
     "model_type": "pretrain",
+    # what transformers' generation config reads: generate stops at eos as tools/generate.py does, pads finished
+    # rows with pad, and a text begins after eos as a packed document does (pretrain.data.tokenizer's fixed ids)
+    "bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
     "architectures": ["PretrainForCausalLM"],
     "auto_map": {"AutoConfig": "pretrain_hf.PretrainConfig", "AutoModelForCausalLM": "pretrain_hf.PretrainForCausalLM",
                  "AutoTokenizer": ["pretrain_hf.PretrainTokenizer", None]},
