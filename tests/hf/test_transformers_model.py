@@ -8,8 +8,9 @@ import torch
 
 from pretrain.data.tokenizer import EOS_ID
 from pretrain.models import load_pretrained
+from pretrain.train.export import write_export
 
-from tiny_lms import PATTERNS, random_lm
+from tiny_lms import PATTERNS, random_lm, run_config
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -127,6 +128,19 @@ def test_save_pretrained_round_trips(export, tmp_path, tie):
                                    rtol=0, atol=0)
         for loaded in (load_pretrained(tmp_path), load_trained_model(tmp_path)[0]):
             torch.testing.assert_close(loaded(tokens), expected, rtol=0, atol=0)
+
+
+def test_a_bf16_export_loads_in_bf16_with_load_pretrained_s_weights(tokenizer_model, tmp_path):
+    """transformers' dtype "auto" keeps the stored bf16 (load_pretrained gives fp32); ``dtype=torch.float32`` asks."""
+    lm, cfg = random_lm(HYBRID, 300)
+    write_export(lm, run_config(cfg, tokenizer_model), tmp_path, dtype="bf16")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    tokens = ids(2, 20, seed=9)
+    with torch.no_grad():
+        expected = load_pretrained(tmp_path)(tokens)
+        for fp32 in (model.float(), AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)):
+            torch.testing.assert_close(fp32(tokens).logits, expected, rtol=0, atol=0)
 
 
 def test_a_random_model_is_built_from_the_config_alone(export):
