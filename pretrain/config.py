@@ -10,7 +10,7 @@ shards' manifest) live with the tasks, in ``pretrain.tasks.config_checks``, whos
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,11 +189,18 @@ CHOICES = {
 }
 
 
-def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> DictConfig:
-    """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides."""
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                foreign_keys: Collection[str] = ()) -> DictConfig:
+    """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides.
+
+    ``foreign_keys``: top-level keys of the file that another reader owns, left out (the transformers keys of an
+    exported config.json, ``pretrain.hf``).
+    """
     cfg = OmegaConf.structured(Config)
     if path is not None:
         for layer, source in _read_with_bases(Path(path)):
+            for key in foreign_keys:
+                layer.pop(key, None)
             cfg = _merge(cfg, layer, where=f"in {source}")
     for override in overrides:
         if "=" not in override:

@@ -116,12 +116,30 @@ class CausalLM(nn.Module):
 
     def prefill(self, input_ids):
         """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``."""
+        logits, states = self.forward_with_state(input_ids, last=1)
+        return logits[:, 0], states
+
+    def forward_with_state(self, input_ids, states=None, *, last: int = 0):
+        """``input_ids [B, T]`` continuing from ``states`` (None: from the start) → ``(logits, states after them)``;
+        the logits of every token ``[B, T, V]``, or of the ``last`` few.
+
+        From the start the tokens go through each mixer's parallel ``prefill``; after a state, one at a time through
+        ``step``, which every mixer has (decoding feeds one token at a time, so that is the path that counts).
+        """
         x = self.embed(input_ids)
-        states = []
-        for block in self.layers:
-            x, state = block.prefill(x)
-            states.append(state)
-        return self.lm_head(self.norm(x[:, -1])), states
+        if states is None:
+            states = []
+            for block in self.layers:
+                x, state = block.prefill(x)
+                states.append(state)
+        else:
+            states, outputs = list(states), []
+            for x_t in x.unbind(dim=1):
+                for i, block in enumerate(self.layers):
+                    x_t, states[i] = block.step(x_t, states[i])
+                outputs.append(x_t)
+            x = torch.stack(outputs, dim=1)
+        return self.lm_head(self.norm(x[:, -last:] if last else x)), states
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""

@@ -11,6 +11,7 @@ import contextlib
 import re
 import shutil
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ..atomic import atomic_path
-from ..config import ConfigError
+from ..config import Config, ConfigError
 from ..distributed.engine import reapply_lr_schedule
 from ..distributed.process_group import lost_a_rank
 from ..models.pretrained import CONFIG, TOKENIZER, WEIGHTS, is_export, load_pretrained, read_export_config
@@ -178,14 +179,15 @@ def trained_config(path: Path):
     with ``data.tokenizer`` pointing at the tokenizer copy beside it), without reading any weights."""
     path = Path(path)
     if is_export(path):
-        overrides = []
-        if read_export_config(path).get("data", {}).get("tokenizer"):  # the run had a tokenizer: the copy
+        overrides, exported = [], read_export_config(path)
+        if exported.get("data", {}).get("tokenizer"):  # the run had a tokenizer: the copy
             tokenizer = path / TOKENIZER
             if not tokenizer.is_file():
                 raise FileNotFoundError(f"{tokenizer} is missing: export the run again")
             check_tokenizer(path, str(tokenizer))
             overrides = [f"data.tokenizer={tokenizer}"]
-        return load_run_config(path / CONFIG, overrides)
+        # beside the run's sections, the keys transformers reads and its save_pretrained writes (pretrain.hf)
+        return load_run_config(path / CONFIG, overrides, foreign_keys=set(exported) - {f.name for f in fields(Config)})
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a run directory (no {path / 'config.yaml'}) nor an exported "
                                 f"model (no {path / WEIGHTS})")

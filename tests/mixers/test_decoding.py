@@ -2,6 +2,7 @@
 (the parallel forward that also returns a state) hands ``step`` the state token-by-token decoding would have."""
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 from pretrain.attention import REGISTRY
 
@@ -78,3 +79,16 @@ def test_aft_full_refuses_to_decode_past_its_bias(make_mixer):
         _, state = mixer.step(x, state)
     with pytest.raises(ValueError, match="max_seq_len=3"):
         mixer.step(x, state)
+
+
+@pytest.mark.parametrize("name,options", CAUSAL_CASES, ids=lambda c: str(c))
+def test_a_state_holds_each_row_at_its_first_dimension(make_mixer, name, options):
+    """The one thing outside code may know of a decoding state (transformers' beam search picks rows with it,
+    ``pretrain.hf``): every tensor in it has the batch first, so a row's state is the batch's state at that row."""
+    mixer = make_mixer(name, causal=True, **options)
+    x = torch.randn(3, 9, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _, batch_state = mixer.prefill(x)
+    for row in range(3):
+        _, row_state = mixer.prefill(x[row:row + 1])
+        picked = tree_map(lambda t, r=row: t[r:r + 1] if isinstance(t, torch.Tensor) else t, batch_state)
+        torch.testing.assert_close(picked, row_state, rtol=1e-10, atol=1e-10)

@@ -121,6 +121,20 @@ def test_generate_from_the_exported_directory_equals_generate_from_the_run(run, 
     assert texts[0] == texts[1] and texts[0].startswith("the cat")
 
 
+def test_the_exported_directory_is_a_transformers_model(run, exported):
+    """What tools/export.py writes loads through transformers' Auto classes (pretrain.hf, issue 27): the model's
+    logits are load_pretrained's, and the tokenizer's ids the run's."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+    from pretrain.data import Tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported(0))
+    ids = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, load_pretrained(exported(0))(ids))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported(0))
+    assert tokenizer("the cat sat").input_ids == Tokenizer(str(exported(0) / "tokenizer.model")).encode("the cat sat")
+
+
 def test_a_bad_or_missing_directory_is_one_line_naming_the_file(exported, tmp_path):
     missing = tmp_path / "absent"
     with pytest.raises(FileNotFoundError, match=f"{missing}: no such directory"):
