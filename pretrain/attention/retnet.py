@@ -65,11 +65,19 @@ class Retention(Mixer):
         if not 0 <= layer_index < num_layers:
             raise ValueError(f"retnet: layer_index must lie in [0, num_layers = {num_layers}); got {layer_index}")
         self.rope, self.rope_theta, self.chunk_size, self.impl = rope, rope_theta, chunk_size, impl
-        self.log_decay = (retnet_log_decay(num_heads) if decay == "retnet"
-                          else lightning_log_decay(num_heads, layer_index, num_layers))  # fp64, [H]
+        self.decay, self.layer_index, self.num_layers = decay, layer_index, num_layers
         self.gate_proj = nn.Linear(dim, dim, bias=False)
         self.group_norm = RMSNorm(self.head_dim, eps=norm_eps)
         self.reach = max(short_conv - 1, 0)  # tokens before a slice (or a decoded piece) the convolutions read
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The fixed per-head log-decay ``[H]`` on ``x``'s device, fp32 at least. Made from the options at each call
+        (H numbers), never held: a tensor attribute is neither in the state dict nor moved with the module, and a
+        model built on the meta device (transformers' ``from_pretrained``) would keep it there."""
+        heads = self.num_heads
+        g = retnet_log_decay(heads) if self.decay == "retnet" else lightning_log_decay(heads, self.layer_index,
+                                                                                      self.num_layers)
+        return g.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
@@ -78,7 +86,7 @@ class Retention(Mixer):
         features = self._features(x)
         convolved = self._convolved(features, position_ids)
         q, k, v = self._heads(convolved, position_ids)  # zeros before a slice: see below
-        g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        g = self.log_decay(x)
         if cu_seqlens is not None:
             q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
         initial = None
@@ -103,7 +111,7 @@ class Retention(Mixer):
         features = self._features(x)
         positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
         q, k, v = self._heads(self._convolved(features, None, before), positions)
-        g = self.log_decay.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+        g = self.log_decay(x)
         impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up
         o, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
                                                  chunk_size=self.chunk_size, impl=impl)

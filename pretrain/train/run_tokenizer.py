@@ -1,8 +1,9 @@
-"""The tokenizer pinned to its run: ``tokenizer.json`` records the sha256 and vocabulary size of the file a run
+"""The tokenizer pinned to its run: ``tokenizer_pin.json`` records the sha256 and vocabulary size of the file a run
 started with, and whatever reads the run later (a resume, the tools, an export, ``train.init_from``) refuses a file
 at ``data.tokenizer`` that differs. A run names its tokenizer by path, and a path can be written over (a retrained
 tokenizer of another size scored a run's perplexity as 2,575 instead of 1,724, without a word); the hashes say
-which file is which. An exported directory carries the record beside its copy of the tokenizer.
+which file is which. An exported directory carries the record beside its copy of the tokenizer. (Not
+``tokenizer.json``: transformers reads a file of that name in a model directory as its own tokenizer.)
 """
 import json
 from pathlib import Path
@@ -11,7 +12,7 @@ from pretrain.atomic import atomic_path
 from pretrain.config import ConfigError
 from pretrain.data import Tokenizer
 
-RECORD = "tokenizer.json"
+RECORD = "tokenizer_pin.json"
 
 
 def _describe(tokenizer_path: str) -> dict:
@@ -23,14 +24,14 @@ def _describe(tokenizer_path: str) -> dict:
 
 
 def record_tokenizer(directory: Path, tokenizer_path: str) -> None:
-    """Write ``DIRECTORY/tokenizer.json`` for the tokenizer file at ``tokenizer_path``."""
+    """Write ``DIRECTORY/tokenizer_pin.json`` for the tokenizer file at ``tokenizer_path``."""
     with atomic_path(Path(directory) / RECORD) as tmp:
         tmp.write_text(json.dumps({**_describe(tokenizer_path), "path": str(tokenizer_path)}, indent=2) + "\n")
 
 
 def check_tokenizer(directory: Path, tokenizer_path: str) -> None:
     """Refuse (``ConfigError`` on ``data.tokenizer``, naming both hashes) a tokenizer file other than the one
-    ``DIRECTORY/tokenizer.json`` records; a directory without a record (older runs) is not checked."""
+    ``DIRECTORY/tokenizer_pin.json`` records; a directory without a record (older runs) is not checked."""
     record = Path(directory) / RECORD
     if not record.is_file():
         return

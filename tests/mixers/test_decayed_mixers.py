@@ -33,7 +33,7 @@ def retention_reference(m, x):
     positions = torch.arange(length).expand(batch, length)
     if m.rope:
         q, k = apply_rope(q, positions, m.rope_theta), apply_rope(k, positions, m.rope_theta)
-    gamma = m.log_decay.exp()
+    gamma = m.log_decay(torch.zeros((), dtype=torch.float64)).exp()
     distance = (torch.arange(length)[:, None] - torch.arange(length)[None]).double()
     decay = torch.where(distance >= 0, gamma[:, None, None] ** distance.clamp(min=0), 0.0)  # [H, n, m]
     o = torch.einsum("hnm,bnhd,bmhd,bmhe->bnhe", decay, q, k, v)
@@ -94,6 +94,6 @@ def test_the_lm_hands_each_layer_its_place():
     cfg = load_config(None, ["data.tokenizer=none", "data.train_shards=none", "model.vocab_size=11", "model.dim=16",
                              "model.n_heads=2", "model.n_layers=3", "model.mixer=retnet",
                              "model.mixer_options.retnet.decay=lightning"])
-    decays = [block.mixer.log_decay for block in build_model(cfg).layers]
+    decays = [block.mixer.log_decay(torch.zeros((), dtype=torch.float64)) for block in build_model(cfg).layers]
     for index, decay in enumerate(decays):
         torch.testing.assert_close(decay, lightning_log_decay(2, index, 3))

@@ -19,11 +19,11 @@ def test_a_swapped_tokenizer_is_refused_by_the_resume_and_every_tool(lm_data, tm
     overrides = tiny_overrides(lm_data, run, data__tokenizer=tokenizer, train__max_steps=2, checkpoint__every=2,
                                schedule__warmup_steps=1, log__val_every=100)
     launch(overrides)
-    pinned = json.loads((run / "tokenizer.json").read_text())
+    pinned = json.loads((run / "tokenizer_pin.json").read_text())
     assert pinned["sha256"] == Tokenizer(str(tokenizer)).sha256 and pinned["vocab_size"] == 320
     export = tmp_path / "export"
     assert load_tool("export").main(["--run", str(run), "--out", str(export)]) == 0
-    assert json.loads((export / "tokenizer.json").read_text())["sha256"] == pinned["sha256"]
+    assert json.loads((export / "tokenizer_pin.json").read_text())["sha256"] == pinned["sha256"]
 
     other = train_tokenizer([f"{lm_data['root']}/train.jsonl"], 300, str(tmp_path / "retrained"))
     shutil.copyfile(other.path, tokenizer)
