@@ -5,7 +5,6 @@ Validation scores the validation shards' documents (round-robin over ranks) exac
 """
 import math
 
-import torch
 from omegaconf import DictConfig
 
 from pretrain.config import ConfigError, train_shard_sources
@@ -55,15 +54,11 @@ class LMTask(TokenRowsTask):
             raise ConfigError(key, str(err)) from None
 
     def train_metrics(self) -> dict[str, float]:
-        """A mixture's documents and tokens per source so far, summed over data-parallel replicas (a collective:
-        every rank calls it on logging steps)."""
+        """A mixture's documents and tokens per source so far, over all replicas (they share one stream, so every
+        rank holds the same counts at a step's end)."""
         if not isinstance(self.loader, MixtureLoader):
             return {}
-        counts = torch.tensor(self.loader.source_counts(), dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts)
-            counts /= self.world.world_size // self.world.data_size  # the ranks of a sequence group share rows
-        return {f"train/source{i}_{what}": value for i, row in enumerate(counts.tolist())
+        return {f"train/source{i}_{what}": float(value) for i, row in enumerate(self.loader.source_counts())
                 for what, value in zip(("documents", "tokens"), row)}
 
     @property
