@@ -143,7 +143,8 @@ class Trainer:
         schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
                                      warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
                                      max_steps=t.max_steps)
-        self.engine = build_engine(cfg, model, self.world.world_size, schedule)
+        self.engine = build_engine(cfg, model, self.world.world_size, schedule,
+                                   load_universal=checkpoint.needs_resharding(self.ckpt_dir, self.world.world_size))
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main)
         self.counters = Counters()
@@ -165,17 +166,30 @@ class Trainer:
                                   "optimizer, schedule and data position)")
             return
         self.counters = Counters(**resumed["counters"])
-        self.task.load_state_dict(resumed["data"])
+        try:
+            self.task.load_state_dict(resumed["data"])
+        except ValueError as err:  # another data stream (a task's or an older layout's state): one line
+            raise checkpoint.CheckpointError(f"cannot resume {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)}"
+                                             f": {err}") from None
         set_rng_state(resumed["rng"])
         self.writer.print(f"resumed from {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)} "
                           f"at step {self.counters.step}")
+        for line in elastic_resume_lines(resumed, self.layout()):
+            self.writer.print(line)
         if self.cfg.train.init_from:
             self.writer.print(f"train.init_from {self.cfg.train.init_from} is not applied: the run resumes from its "
                               "own checkpoint")
 
+    def layout(self) -> dict:
+        """How the run's ranks share a step (saved with a checkpoint, compared on resume)."""
+        t = self.cfg.train
+        return {"world_size": self.world.world_size, "replicas": self.world.data_size,
+                "sequence_parallel": self.cfg.parallel.sequence_parallel,
+                "rows_per_step": t.micro_batch_size * t.grad_accum_steps * self.world.data_size}
+
     def save(self) -> None:
         state = {"counters": asdict(self.counters), "data": self.task.state_dict(), "rng": rng_state(),
-                 "world_size": self.world.world_size}
+                 **self.layout()}
         tag = checkpoint.save(self.engine, self.ckpt_dir, self.counters.step, state,
                               keep_last=self.cfg.checkpoint.keep_last)
         self.writer.print(f"saved checkpoint {self.ckpt_dir / tag}")
@@ -274,6 +288,24 @@ class Trainer:
                 self.writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {c.step}; "
                                   "relaunch the same command to resume")
                 break
+
+
+def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:
+    """What a resume on another layout of ranks changed, one line each: the resharding, the global batch."""
+    lines = []
+    if resumed["written_by"] != now["world_size"] or resumed.get("sequence_parallel", 1) != now["sequence_parallel"]:
+        how = ("optimizer states resharded through DeepSpeed's universal checkpoint "
+               f"({resumed['resharded_s']:.1f} s)" if resumed["resharded_s"] is not None else
+               "the checkpoint loads whole on any number of ranks")
+        lines.append(f"elastic resume: written by {resumed['written_by']} ranks (sequence_parallel "
+                     f"{resumed.get('sequence_parallel', 1)}), now {now['world_size']} (sequence_parallel "
+                     f"{now['sequence_parallel']}); {how}")
+    before = resumed.get("rows_per_step")
+    if before is not None and before != now["rows_per_step"]:
+        lines.append(f"the global batch changes from {before} to {now['rows_per_step']} rows a step "
+                     f"(micro_batch_size × grad_accum_steps × {now['replicas']} data-parallel replicas): the data "
+                     "stream continues where it stopped, and the losses are no longer an uninterrupted run's")
+    return lines
 
 
 def train(cfg: DictConfig) -> None:

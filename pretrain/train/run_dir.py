@@ -6,7 +6,8 @@ from omegaconf import DictConfig, OmegaConf
 from pretrain.config import ConfigError, save_config
 
 # Keys a relaunch may change without changing the model, the data stream or the optimizer's trajectory.
-MAY_CHANGE = ("run.dir", "train.max_steps", "data.num_workers", "data.verify_shards", "log.", "checkpoint.")
+MAY_CHANGE = ("run.dir", "train.max_steps", "data.num_workers", "data.verify_shards", "log.", "checkpoint.",
+              "train.micro_batch_size", "train.grad_accum_steps", "parallel.sequence_parallel")  # elastic resume
 
 
 def _flat(cfg: DictConfig) -> dict[str, object]:
