@@ -30,6 +30,7 @@ source; the packing is the same, and the cursor holds every source's position an
 States of a run before the replicas shared one stream (``rank``/``world_size`` in the state) resume when they are a
 one-rank run's (its stream is the same); a several-rank one is refused.
 """
+import hashlib
 import math
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -165,10 +166,13 @@ class TokenLoader(StreamLoader):
                    "position_ids": torch.from_numpy(positions)}
 
     def _stream_identity(self) -> dict:
-        """Without rank and world size: every replica reads the one stream, so a state resumes on any number."""
+        """Without rank and world size: every replica reads the one stream, so a state resumes on any number; with
+        the digest of the shards' sha256 from their manifests, so shards moved elsewhere resume, and others do not."""
         identity = super()._stream_identity()
         del identity["rank"], identity["world_size"]
-        return identity
+        checksums = self._stream.checksums
+        recorded = "\n".join(checksums.get(url, "-") for url in self.shard_urls)
+        return {**identity, "shards_sha256": hashlib.sha256(recorded.encode()).hexdigest()}
 
     def load_state_dict(self, state: dict) -> None:
         written_by = state.get("world_size", 1)  # present only in a state from before the replicas shared a stream
@@ -176,7 +180,8 @@ class TokenLoader(StreamLoader):
             raise ValueError(f"this data loader state is rank {state.get('rank')}'s of {written_by}, written before "
                              "the ranks shared one stream of rows: it cannot resume with this version (a one-rank "
                              "run's can); start a new run.dir, or resume with the version that wrote it")
-        super().load_state_dict({key: value for key, value in state.items() if key not in ONE_STREAM})
+        older = {"shards_sha256": self._stream_identity()["shards_sha256"]}  # a state from before it was kept
+        super().load_state_dict({**older, **{key: value for key, value in state.items() if key not in ONE_STREAM}})
 
 
 class _MixCursor(NamedTuple):
@@ -206,6 +211,10 @@ class _Mixture:
     seq_len: int
     epochs = None  # every source cycles forever
     rank, world_size = 0, 1  # ONE_STREAM
+
+    @property
+    def checksums(self) -> dict[str, str]:
+        return {url: sha for source in self.sources for url, sha in source.checksums.items()}
 
     @property
     def urls(self) -> tuple[str, ...]:

@@ -47,6 +47,10 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
+def tag_step(tag: str | None) -> int | None:
+    return int(TAG.fullmatch(tag).group(1)) if tag and TAG.fullmatch(tag) else None
+
+
 def _client_state_path(ckpt_dir: Path, tag: str, rank: int) -> Path:
     return ckpt_dir / tag / f"client_state_rank{rank:05d}.pt"
 

@@ -5,7 +5,6 @@ and the validation figures; the loop keeps what every task shares (engine, metri
 non-finite steps).
 """
 import contextlib
-import functools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from pretrain.config import ConfigError
 from pretrain.distributed import (
     World,
     apply_activation_checkpointing,
@@ -25,7 +25,7 @@ from pretrain.distributed import (
     init_process_group,
     split_sequences,
 )
-from pretrain.distributed.engine import step_with_grad_norm
+from pretrain.distributed.engine import reapply_lr_schedule, step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.tasks import build_task
 
@@ -34,7 +34,7 @@ from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from .preemption import StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
-from .schedule import lr_at
+from .schedule import Plan
 
 
 class RankLostError(RuntimeError):
@@ -140,13 +140,14 @@ class Trainer:
         apply_sequence_parallel(model, self.world.sequence, t.seq_len)
         if cfg.deepspeed.activation_checkpointing:
             apply_activation_checkpointing(model)
-        schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
-                                     warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
-                                     max_steps=t.max_steps)
-        self.engine = build_engine(cfg, model, self.world.world_size, schedule,
+        self.schedule = Plan(lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
+                             warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
+                             max_steps=t.max_steps)
+        self.engine = build_engine(cfg, model, self.world.world_size, self.schedule,
                                    load_universal=checkpoint.needs_resharding(self.ckpt_dir, self.world.world_size))
 
-        self.writer = MetricsWriter(self.run_dir, self.world.is_main)
+        self.writer = MetricsWriter(self.run_dir, self.world.is_main,
+                                    resume_step=checkpoint.tag_step(checkpoint.latest_tag(self.ckpt_dir)))
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
         self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
@@ -176,6 +177,13 @@ class Trainer:
                           f"at step {self.counters.step}")
         for line in elastic_resume_lines(resumed, self.layout()):
             self.writer.print(line)
+        if self.counters.step >= self.cfg.train.max_steps:
+            raise ConfigError("train.max_steps", f"{self.cfg.train.max_steps} is not past the resumed step "
+                                                 f"{self.counters.step}: nothing to train; raise it to continue")
+        replanned = self.schedule.resume(resumed.get("schedule"), self.counters.step)
+        if replanned:
+            reapply_lr_schedule(self.engine)
+            self.writer.print(replanned)
         if self.cfg.train.init_from:
             self.writer.print(f"train.init_from {self.cfg.train.init_from} is not applied: the run resumes from its "
                               "own checkpoint")
@@ -189,7 +197,7 @@ class Trainer:
 
     def save(self) -> None:
         state = {"counters": asdict(self.counters), "data": self.task.state_dict(), "rng": rng_state(),
-                 **self.layout()}
+                 "schedule": self.schedule.state(), **self.layout()}
         tag = checkpoint.save(self.engine, self.ckpt_dir, self.counters.step, state,
                               keep_last=self.cfg.checkpoint.keep_last)
         self.writer.print(f"saved checkpoint {self.ckpt_dir / tag}")

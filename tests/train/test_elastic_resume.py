@@ -1,0 +1,103 @@
+"""Elastic resume and what a relaunch may change, with real DeepSpeed runs on gloo ranks (issue 28 items 1, 5).
+
+A run of 4 steps saves at steps 2 and 4; its copy is rewound to step 2 (as if stopped there) and resumed on another
+number of ranks, or another ``parallel.sequence_parallel``, with the accumulation that keeps the global batch: its
+steps 3 and 4 must equal the uninterrupted run's to 1e-5 (fp32). metrics.jsonl then holds each step once.
+"""
+import json
+import math
+import shutil
+
+import pytest
+
+from pretrain.train import checkpoint
+
+from launching import launch, read_metrics, tiny_overrides
+
+pytestmark = pytest.mark.dist
+STEPS = 4
+
+
+def overrides(lm_data, run_dir, **extra):
+    settings = dict(train__max_steps=STEPS, checkpoint__every=2, schedule__warmup_steps=1, log__val_every=100,
+                    optim__eps=1e-6)  # optim.eps: see test_sequence_parallel_training
+    return tiny_overrides(lm_data, run_dir, **{**settings, **extra})
+
+
+@pytest.fixture(scope="module")
+def runs(lm_data, tmp_path_factory):
+    """``runs(ranks, **extra)``: the directory of a finished uninterrupted run (each launched once)."""
+    root, done = tmp_path_factory.mktemp("elastic"), {}
+
+    def get(ranks: int, **extra):
+        key = (ranks, *sorted(extra.items()))
+        if key not in done:
+            done[key] = root / f"r{ranks}_{len(done)}"
+            launch(overrides(lm_data, done[key], **extra), ranks=ranks)
+        return done[key]
+
+    return get
+
+
+def rewound(run, tmp_path):
+    """A copy of ``run`` as it was when stopped after step 2's checkpoint (its metrics of steps 3, 4 included)."""
+    copy = tmp_path / "resumed"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / checkpoint.tag_for(STEPS))
+    (copy / "checkpoints" / "latest").write_text(checkpoint.tag_for(2))
+    return copy
+
+
+def assert_continues(resumed, reference, *, rel=1e-5):
+    got, want = read_metrics(resumed), read_metrics(reference)
+    for step in (3, 4):
+        for key in ("train/loss", "train/grad_norm", "train/lr"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=rel), (step, key)
+    assert got[STEPS]["train/tokens_seen"] == want[STEPS]["train/tokens_seen"]
+    steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))  # each step once, the resumed run's
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_ranks_resume_on_one_with_accumulation_doubled(runs, lm_data, tmp_path, stage):
+    reference = runs(2, deepspeed__zero_stage=stage)
+    resumed = rewound(reference, tmp_path)
+    out = launch(overrides(lm_data, resumed, deepspeed__zero_stage=stage, train__grad_accum_steps=2)).stdout
+    assert "elastic resume: written by 2 ranks" in out and "universal checkpoint" in out
+    assert "global batch" not in out
+    assert_continues(resumed, reference)
+    assert not (resumed / "checkpoints" / checkpoint.tag_for(2) / "universal").exists()  # the converted copy
+
+
+def test_one_rank_resumes_on_two(runs, lm_data, tmp_path):
+    reference = runs(1, train__grad_accum_steps=2)
+    resumed = rewound(reference, tmp_path)
+    out = launch(overrides(lm_data, resumed), ranks=2).stdout
+    assert "elastic resume: written by 1 ranks" in out
+    assert_continues(resumed, reference)
+
+
+def test_a_sequence_parallel_run_resumes_without_it(runs, lm_data, tmp_path):
+    reference = runs(2, parallel__sequence_parallel=2, deepspeed__zero_stage=2)
+    resumed = rewound(reference, tmp_path)
+    out = launch(overrides(lm_data, resumed, deepspeed__zero_stage=2)).stdout
+    assert "(sequence_parallel 2), now 1 (sequence_parallel 1)" in out
+    assert_continues(resumed, reference)
+
+
+def test_a_changed_max_steps_is_replanned_and_other_keys_are_refused(runs, lm_data, tmp_path):
+    reference = runs(1, train__grad_accum_steps=2)
+    resumed = rewound(reference, tmp_path)
+    for change, key in [({"model__dim": 32}, "model.dim"), ({"train__max_steps": 2}, "train.max_steps")]:
+        result = launch(overrides(lm_data, resumed, **change), check=False)
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {key}: ")
+    # the global batch halves too (one rank, no accumulation): the run goes on and says so
+    out = launch(overrides(lm_data, resumed, train__max_steps=8)).stdout
+    assert "train.max_steps changed from 4 to 8: the decay re-planned from step 2's LR" in out
+    assert "the global batch changes from 8 to 4 rows a step" in out
+    got, want = read_metrics(resumed), read_metrics(reference)
+    lrs = [got[step]["train/lr"] for step in range(3, 9)]
+    assert lrs[0] == pytest.approx(want[3]["train/lr"], rel=1e-12)  # no jump: where the old schedule was
+    assert lrs == sorted(lrs, reverse=True)  # a half cosine from there to min_lr (3e-4) at step 8 (index 8):
+    assert lrs[-1] == pytest.approx(3e-4 + 0.5 * (lrs[0] - 3e-4) * (1 + math.cos(math.pi * 5 / 6)), rel=1e-9)
