@@ -205,9 +205,16 @@ def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
     settings = [{key: value for key, value in group.items() if key not in ("params", "lr", "initial_lr")}
                 for group in engine.optimizer.param_groups]  # this run's; the LR is the schedule's
     if engine.load_universal_checkpoint():  # built so by needs_resharding
+        outcome = [None, None]  # (seconds, error): rank 0 converts, and every rank learns how it went
         if rank == 0:
-            resharded_s = _convert_to_universal(ckpt_dir, tag)
-        dist.barrier()
+            try:
+                outcome = [_convert_to_universal(ckpt_dir, tag), None]
+            except CheckpointError as err:
+                outcome = [None, str(err)]
+        dist.broadcast_object_list(outcome, src=0)
+        resharded_s, error = outcome
+        if error:
+            raise CheckpointError(error)
         load_dir, load_tag = ckpt_dir / tag, "universal"
     loaded, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
     if loaded is None:

@@ -300,14 +300,17 @@ class Trainer:
 
 def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:
     """What a resume on another layout of ranks changed, one line each: the resharding, the global batch."""
-    lines = []
-    if resumed["written_by"] != now["world_size"] or resumed.get("sequence_parallel", 1) != now["sequence_parallel"]:
-        how = ("optimizer states resharded through DeepSpeed's universal checkpoint "
-               f"({resumed['resharded_s']:.1f} s)" if resumed["resharded_s"] is not None else
-               "the checkpoint loads whole on any number of ranks")
-        lines.append(f"elastic resume: written by {resumed['written_by']} ranks (sequence_parallel "
-                     f"{resumed.get('sequence_parallel', 1)}), now {now['world_size']} (sequence_parallel "
-                     f"{now['sequence_parallel']}); {how}")
+    lines, written_by, sp_before = [], resumed["written_by"], resumed.get("sequence_parallel", 1)
+    if written_by != now["world_size"] or sp_before != now["sequence_parallel"]:
+        if resumed["resharded_s"] is not None:
+            how = ("optimizer states resharded through DeepSpeed's universal checkpoint "
+                   f"({resumed['resharded_s']:.1f} s)")
+        elif written_by != now["world_size"]:
+            how = "the checkpoint holds whole states (no ZeRO partitions), loaded as they are"
+        else:
+            how = "the ranks' partitions are unchanged"
+        lines.append(f"elastic resume: written by {written_by} rank(s) (sequence_parallel {sp_before}), now "
+                     f"{now['world_size']} (sequence_parallel {now['sequence_parallel']}); {how}")
     before = resumed.get("rows_per_step")
     if before is not None and before != now["rows_per_step"]:
         lines.append(f"the global batch changes from {before} to {now['rows_per_step']} rows a step "

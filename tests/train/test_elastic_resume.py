@@ -2,10 +2,11 @@
 
 A run of 4 steps saves at steps 2 and 4; its copy is rewound to step 2 (as if stopped there) and resumed on another
 number of ranks, or another ``parallel.sequence_parallel``, with the accumulation that keeps the global batch: its
-steps 3 and 4 must equal the uninterrupted run's to 1e-5 (fp32). metrics.jsonl then holds each step once.
+steps 3 and 4 must equal the uninterrupted run's to 1e-5 (fp32). metrics.jsonl then holds each step once. A changed
+global batch is said in one line; a key that may not change, in one line with no traceback. (A changed
+``train.max_steps``: tests/train/test_training.py.)
 """
 import json
-import math
 import shutil
 
 import pytest
@@ -63,7 +64,7 @@ def test_two_ranks_resume_on_one_with_accumulation_doubled(runs, lm_data, tmp_pa
     reference = runs(2, deepspeed__zero_stage=stage)
     resumed = rewound(reference, tmp_path)
     out = launch(overrides(lm_data, resumed, deepspeed__zero_stage=stage, train__grad_accum_steps=2)).stdout
-    assert "elastic resume: written by 2 ranks" in out and "universal checkpoint" in out
+    assert "elastic resume: written by 2 rank(s)" in out and "universal checkpoint" in out
     assert "global batch" not in out
     assert_continues(resumed, reference)
     assert not (resumed / "checkpoints" / checkpoint.tag_for(2) / "universal").exists()  # the converted copy
@@ -73,7 +74,7 @@ def test_one_rank_resumes_on_two(runs, lm_data, tmp_path):
     reference = runs(1, train__grad_accum_steps=2)
     resumed = rewound(reference, tmp_path)
     out = launch(overrides(lm_data, resumed), ranks=2).stdout
-    assert "elastic resume: written by 1 ranks" in out
+    assert "elastic resume: written by 1 rank(s)" in out
     assert_continues(resumed, reference)
 
 
@@ -85,19 +86,14 @@ def test_a_sequence_parallel_run_resumes_without_it(runs, lm_data, tmp_path):
     assert_continues(resumed, reference)
 
 
-def test_a_changed_max_steps_is_replanned_and_other_keys_are_refused(runs, lm_data, tmp_path):
+def test_a_changed_global_batch_is_said_and_other_keys_are_refused(runs, lm_data, tmp_path):
     reference = runs(1, train__grad_accum_steps=2)
     resumed = rewound(reference, tmp_path)
     for change, key in [({"model__dim": 32}, "model.dim"), ({"train__max_steps": 2}, "train.max_steps")]:
         result = launch(overrides(lm_data, resumed, **change), check=False)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {key}: ")
-    # the global batch halves too (one rank, no accumulation): the run goes on and says so
-    out = launch(overrides(lm_data, resumed, train__max_steps=8)).stdout
-    assert "train.max_steps changed from 4 to 8: the decay re-planned from step 2's LR" in out
+    out = launch(overrides(lm_data, resumed)).stdout  # the global batch halves (no accumulation): said, and on
     assert "the global batch changes from 8 to 4 rows a step" in out
     got, want = read_metrics(resumed), read_metrics(reference)
-    lrs = [got[step]["train/lr"] for step in range(3, 9)]
-    assert lrs[0] == pytest.approx(want[3]["train/lr"], rel=1e-12)  # no jump: where the old schedule was
-    assert lrs == sorted(lrs, reverse=True)  # a half cosine from there to min_lr (3e-4) at step 8 (index 8):
-    assert lrs[-1] == pytest.approx(3e-4 + 0.5 * (lrs[0] - 3e-4) * (1 + math.cos(math.pi * 5 / 6)), rel=1e-9)
+    assert got[STEPS]["train/tokens_seen"] == want[2]["train/tokens_seen"] + 2 * 4 * 64  # 2 steps of 4 rows
