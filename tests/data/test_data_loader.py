@@ -1,6 +1,8 @@
 """TokenLoader: every token once per epoch across replicas × workers, one stream of rows however many replicas
 share it, document-aware positions, exact resume (also on another number of replicas)."""
+import json
 import pickle
+import shutil
 from collections import Counter
 from itertools import islice
 
@@ -183,3 +185,17 @@ def test_resume_of_a_finite_stream_ends_where_the_uninterrupted_one_does(numbere
     got = head + list(resumed)
     assert len(got) == len(reference) and resumed.epoch == 2
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, reference))
+
+
+def test_moved_shards_resume_and_other_contents_are_refused(numbered_shards, tmp_path):
+    """The state names the shards by their names and their manifests' sha256, not their directory."""
+    directory, _ = numbered_shards
+    state = TokenLoader(directory, seq_len=8, batch_size=2).state_dict()
+    moved = tmp_path / "moved"
+    shutil.copytree(directory, moved)
+    TokenLoader(str(moved), seq_len=8, batch_size=2).load_state_dict(state)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["files"][3]["sha256"] = "0" * 64
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="'shards_sha256'"):
+        TokenLoader(str(moved), seq_len=8, batch_size=2).load_state_dict(state)

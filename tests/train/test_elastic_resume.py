@@ -86,14 +86,17 @@ def test_a_sequence_parallel_run_resumes_without_it(runs, lm_data, tmp_path):
     assert_continues(resumed, reference)
 
 
-def test_a_changed_global_batch_is_said_and_other_keys_are_refused(runs, lm_data, tmp_path):
+def test_a_changed_global_batch_is_said_moved_shards_resume_and_other_keys_are_refused(runs, lm_data, tmp_path):
     reference = runs(1, train__grad_accum_steps=2)
     resumed = rewound(reference, tmp_path)
     for change, key in [({"model__dim": 32}, "model.dim"), ({"train__max_steps": 2}, "train.max_steps")]:
         result = launch(overrides(lm_data, resumed, **change), check=False)
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {key}: ")
-    out = launch(overrides(lm_data, resumed)).stdout  # the global batch halves (no accumulation): said, and on
+    moved = tmp_path / "moved"  # the shards moved elsewhere (same manifest): the stream resumes from them
+    shutil.copytree(lm_data["train_shards"].rsplit("/", 1)[0], moved)
+    out = launch(overrides(lm_data, resumed, data__train_shards=f"{moved}/shard-{{000000..000099}}.tar")).stdout
+    # the global batch halves (one rank, no accumulation): the run says so and goes on
     assert "the global batch changes from 8 to 4 rows a step" in out
     got, want = read_metrics(resumed), read_metrics(reference)
     assert got[STEPS]["train/tokens_seen"] == want[2]["train/tokens_seen"] + 2 * 4 * 64  # 2 steps of 4 rows
