@@ -167,12 +167,13 @@ class TokenLoader(StreamLoader):
 
     def _stream_identity(self) -> dict:
         """Without rank and world size: every replica reads the one stream, so a state resumes on any number; with
-        the digest of the shards' sha256 from their manifests, so shards moved elsewhere resume, and others do not."""
+        the digest of the shards' sha256 from their manifests, so shards moved elsewhere resume, and others do not
+        (None where a shard has none on record: streamed shards)."""
         identity = super()._stream_identity()
         del identity["rank"], identity["world_size"]
-        checksums = self._stream.checksums
-        recorded = "\n".join(checksums.get(url, "-") for url in self.shard_urls)
-        return {**identity, "shards_sha256": hashlib.sha256(recorded.encode()).hexdigest()}
+        checksums = [self._stream.checksums.get(url) for url in self.shard_urls]
+        digest = None if None in checksums else hashlib.sha256("\n".join(checksums).encode()).hexdigest()
+        return {**identity, "shards_sha256": digest}
 
     def load_state_dict(self, state: dict) -> None:
         written_by = state.get("world_size", 1)  # present only in a state from before the replicas shared a stream
@@ -180,8 +181,11 @@ class TokenLoader(StreamLoader):
             raise ValueError(f"this data loader state is rank {state.get('rank')}'s of {written_by}, written before "
                              "the ranks shared one stream of rows: it cannot resume with this version (a one-rank "
                              "run's can); start a new run.dir, or resume with the version that wrote it")
-        older = {"shards_sha256": self._stream_identity()["shards_sha256"]}  # a state from before it was kept
-        super().load_state_dict({**older, **{key: value for key, value in state.items() if key not in ONE_STREAM}})
+        state = {key: value for key, value in state.items() if key not in ONE_STREAM}
+        mine = self._stream_identity()["shards_sha256"]
+        if state.get("shards_sha256") is None or mine is None:  # unknown on either side (or a state from before)
+            state["shards_sha256"] = mine
+        super().load_state_dict(state)
 
 
 class _MixCursor(NamedTuple):
