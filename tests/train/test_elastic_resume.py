@@ -2,14 +2,15 @@
 
 A run of 4 steps saves at steps 2 and 4; its copy is rewound to step 2 (as if stopped there) and resumed on another
 number of ranks, or another ``parallel.sequence_parallel``, with the accumulation that keeps the global batch: its
-steps 3 and 4 must equal the uninterrupted run's to 1e-5 (fp32). metrics.jsonl then holds each step once. A changed
-global batch is said in one line; a key that may not change, in one line with no traceback. (A changed
-``train.max_steps``: tests/train/test_training.py.)
+steps 3 and 4 must equal the uninterrupted run's to 1e-5 (fp32). metrics.jsonl and tensorboard then hold each step
+once. A changed global batch is said in one line; a key that may not change, in one line with no traceback. (A
+changed ``train.max_steps``: tests/train/test_training.py.)
 """
 import json
 import shutil
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pretrain.train import checkpoint
 
@@ -57,6 +58,10 @@ def assert_continues(resumed, reference, *, rel=1e-5):
     assert got[STEPS]["train/tokens_seen"] == want[STEPS]["train/tokens_seen"]
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))  # each step once, the resumed run's
+    events = EventAccumulator(str(resumed / "tensorboard"))  # reads every launch's event file, as tensorboard does
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (step, pytest.approx(got[step]["train/loss"])) for step in range(1, STEPS + 1)]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
