@@ -7,8 +7,10 @@ accuracy measure recall alone. Everything else after the pairs is noise drawn fr
 Zoology, the queries sit at even offsets ``2g`` after the pairs, the gaps ``g`` drawn without replacement with
 probability ∝ (g+1)^(query_power − 1): a small power puts most queries soon after the pairs, 1 spreads them evenly.
 
-Batch ``b`` of rank ``r`` comes from its own generator, seeded by (split, seed, world_size, r, b): a stream is fixed
-by its seed and rank, and resuming needs only the number of batches handed out.
+Batch ``j`` of the stream comes from its own generator, seeded by (split, seed, 1, 0, j) (1, 0: the world size and
+rank one-rank runs were keyed by). As TokenLoader's, the data-parallel replicas share the one stream: replica ``r``
+of ``R`` takes batches ``r, r + R, ...``, so the rows of a global step do not depend on how many replicas share
+them, and resuming, on any number of replicas, needs only the number of batches the replicas have taken.
 """
 from collections.abc import Iterator
 
@@ -83,14 +85,19 @@ class MQARLoader:
             raise ValueError(f"split={split!r}: expected one of {', '.join(SPLITS)}")
         self.settings = {"vocab_size": vocab_size, "seq_len": seq_len, "num_pairs": num_pairs,
                          "query_power": query_power}
-        self.identity = {"generator": "mqar", "split": split, "seed": seed, "rank": rank, "world_size": world_size,
-                         "vocab_size": vocab_size, "num_pairs": num_pairs, "query_power": query_power}
-        self.batch_size, self.batches = batch_size, 0
+        self.identity = {"generator": "mqar", "split": split, "seed": seed, "vocab_size": vocab_size,
+                         "num_pairs": num_pairs, "query_power": query_power}
+        self.rank, self.world_size = rank, world_size
+        self.batch_size, self.batches = batch_size, 0  # batches: taken by all replicas together
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
-        """The ``index``-th batch of this stream (the same on every call)."""
+        """This replica's ``index``-th batch (the same on every call)."""
+        return self._generate(index * self.world_size + self.rank)
+
+    def _generate(self, index: int) -> dict[str, torch.Tensor]:
+        """The stream's ``index``-th batch."""
         ident = self.identity
-        rng = np.random.default_rng([SPLITS[ident["split"]], ident["seed"], ident["world_size"], ident["rank"], index])
+        rng = np.random.default_rng([SPLITS[ident["split"]], ident["seed"], 1, 0, index])
         inputs, labels = mqar_rows(rng, self.batch_size, **self.settings)
         positions = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
         return {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
@@ -98,16 +105,20 @@ class MQARLoader:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         while True:
-            batch = self.batch(self.batches)
-            self.batches += 1
+            batch = self._generate(self.batches + self.rank)
+            self.batches += self.world_size  # the round: every replica took one
             yield batch
 
     def state_dict(self) -> dict:
         return {**self.identity, "batches": self.batches}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue after the batch the state was taken at; another stream (seed, rank, setting) is refused, naming
-        the key. ``seq_len`` and ``batch_size`` may change, as TokenLoader's."""
+        """Continue after the round the state was taken at, on any number of replicas; another stream (seed,
+        setting) is refused, naming the key. ``seq_len`` and ``batch_size`` may change, as TokenLoader's."""
+        if state.get("world_size", 1) != 1:  # kept only by states from before the replicas shared one stream
+            raise ValueError(f"this data loader state is rank {state.get('rank')}'s of {state['world_size']}, "
+                             "written before the ranks shared one stream: it cannot resume with this version (a "
+                             "one-rank run's can); start a new run.dir, or resume with the version that wrote it")
         for key, mine in self.identity.items():
             if key not in state:
                 raise ValueError(f"data loader state lacks key {key!r}")

@@ -5,7 +5,6 @@ Validation scores the validation shards' documents (round-robin over ranks) exac
 """
 import math
 
-import torch
 from omegaconf import DictConfig
 
 from pretrain.config import ConfigError, train_shard_sources
@@ -57,15 +56,12 @@ class LMTask(TokenRowsTask):
             raise ConfigError(key, str(err)) from None
 
     def train_metrics(self) -> dict[str, float]:
-        """A mixture's documents and tokens per source so far, by the sources' names, summed over data-parallel
-        replicas (a collective: every rank calls it on logging steps)."""
+        """A mixture's documents and tokens per source so far, by the sources' names, over all replicas (they share
+        one stream, so every rank holds the same counts at a step's end)."""
         if not isinstance(self.loader, MixtureLoader):
             return {}
-        counts = torch.tensor(self.loader.source_counts(), dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts)
-            counts /= self.world.world_size // self.world.data_size  # the ranks of a sequence group share rows
-        return {f"train/{name}_{what}": value for name, row in zip(self.source_names, counts.tolist())
+        counts = self.loader.source_counts()
+        return {f"train/{name}_{what}": float(value) for name, row in zip(self.source_names, counts)
                 for what, value in zip(("documents", "tokens"), row)}
 
     @property

@@ -1,5 +1,6 @@
 """MQAR rows (pretrain.data.mqar) and their scoring (pretrain.tasks.recall): answers checked by brute force, the
-stream fixed by seed and rank and resumed exactly, a copying model at 100 % and a random one at chance."""
+stream fixed by seed, shared by the replicas and resumed exactly (on any number of them), a copying model at 100 %
+and a random one at chance."""
 import numpy as np
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_a_small_query_power_asks_soon_after_the_pairs():
     assert 0.22 < share_in_first_quarter(1.0) < 0.28  # power 1: evenly spread
 
 
-def test_the_stream_is_fixed_by_seed_and_rank_and_resumes_exactly():
+def test_the_stream_is_fixed_by_seed_shared_by_replicas_and_resumes_exactly():
     def loader(**kw):
         return MQARLoader(**{**dict(vocab_size=128, seq_len=64, num_pairs=8, batch_size=4, rank=1, world_size=2,
                                     seed=7), **kw})
@@ -68,7 +69,12 @@ def test_the_stream_is_fixed_by_seed_and_rank_and_resumes_exactly():
         for key in ("input_ids", "labels", "position_ids"):
             assert torch.equal(got[key], expected[key])
     assert torch.equal(next(iter(loader()))["input_ids"], seen[0]["input_ids"])  # same seed and rank: same rows
-    assert not torch.equal(next(iter(loader(rank=0)))["input_ids"], seen[0]["input_ids"])
+    alone = loader(rank=0, world_size=1)  # the one stream; replica 1 of 2 takes its batches 1, 3, 5, ...
+    assert all(torch.equal(alone.batch(2 * k + 1)["input_ids"], seen[k]["input_ids"]) for k in range(3))
+    on_three = [loader(rank=r, world_size=3) for r in range(3)]  # resumed on 3 replicas: batches 6, 7, 8 of it
+    for r, replica in enumerate(on_three):
+        replica.load_state_dict(state)
+        assert torch.equal(next(iter(replica))["input_ids"], alone.batch(6 + r)["input_ids"])
     assert not torch.equal(next(iter(loader(seed=8)))["input_ids"], seen[0]["input_ids"])
     assert not torch.equal(loader(split="val").batch(0)["input_ids"], seen[0]["input_ids"])
     assert seen[0]["position_ids"][2].tolist() == list(range(64))  # one sequence per row
@@ -77,6 +83,8 @@ def test_the_stream_is_fixed_by_seed_and_rank_and_resumes_exactly():
         loader(seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="'num_pairs'"):
         loader(num_pairs=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank 1's of 2, written before the ranks shared one stream"):
+        loader().load_state_dict({**state, "rank": 1, "world_size": 2})
 
 
 def test_impossible_settings_name_the_key():
