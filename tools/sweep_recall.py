@@ -20,6 +20,7 @@ the decoding state's bytes at the trained length, one panel per number of pairs 
 """
 import argparse
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -62,14 +63,16 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
                                  " give another --out or delete it")
         return row
     run_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
     train_s = benchlib.run_logged(train, run_dir / "train.log")
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # 1-minute load average before and after training
     benchlib.run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "scores.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = load_run_config(config_path, overrides)
     row = {"config": config_path, "mixer": mixer_label(cfg), "dim": width, "seed": seed, "lr": cfg.optim.lr,
            "n_layers": cfg.model.n_layers, "train_seq_len": cfg.train.seq_len, "train_pairs": cfg.recall.num_pairs,
-           "steps": cfg.train.max_steps, "train_s": train_s,
+           "steps": cfg.train.max_steps, "train_s": train_s, "load": load,
            "val_recall_accuracy": [m["val/recall_accuracy"] for m in metrics if "val/recall_accuracy" in m][-1],
            "results": scores["results"], "train_command": " ".join(train), "eval_command": " ".join(evaluate)}
     result_file.write_text(json.dumps(row, indent=1))
