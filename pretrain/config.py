@@ -161,6 +161,9 @@ class RecallConfig:  # task recall: MQAR rows of train.seq_len tokens, generated
     vocab_size: int = 8192  # keys from the lower half, values from the upper; model.vocab_size 0 → this
     num_pairs: int = 16  # key-value pairs per row, each queried once after them (needs train.seq_len >= 4·num_pairs)
     query_power: float = 0.01  # query gaps drawn ∝ gap^(power−1) as in Zoology: small → queries soon after the pairs
+    # [] → one setting (train.seq_len, num_pairs); else [{seq_len: T, num_pairs: N}, ...]: each row packs examples of
+    # one setting drawn per row (T must divide train.seq_len; num_pairs above is then unused), validated per setting
+    mixture: list[Any] = field(default_factory=list)
 
 
 @dataclass

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.data.mqar import IGNORE, MQARLoader, MQARSettingError, check_mqar, mqar_rows
+from pretrain.data.mqar import IGNORE, MQARLoader, MQARSettingError, check_mixture, check_mqar, mqar_rows
 from pretrain.tasks.config_checks import load_run_config
 from pretrain.tasks.recall import recall_scores
 
@@ -102,6 +102,61 @@ def test_impossible_settings_name_the_key():
         load_run_config("configs/recall/softmax.yaml", ["parallel.sequence_parallel=2"])
     cfg = load_run_config("configs/recall/softmax.yaml", [])
     assert cfg.model.vocab_size == cfg.recall.vocab_size and cfg.data.tokenizer is None
+
+
+ZOOLOGY_MIXTURE = [(64, 4), (128, 8), (256, 16)]
+
+
+def test_a_mixture_packs_whole_examples_of_one_setting_per_row():
+    loader = MQARLoader(vocab_size=8192, seq_len=256, batch_size=48, mixture=ZOOLOGY_MIXTURE, seed=2)
+    batch = loader.batch(0)
+    inputs, labels, positions = (batch[key].numpy() for key in ("input_ids", "labels", "position_ids"))
+    assert inputs.shape == labels.shape == positions.shape == (48, 256)
+    seen = set()
+    for row, target, position in zip(inputs, labels, positions):
+        length = int(np.argmax(position[1:] == 0) + 1) if (position[1:] == 0).any() else 256
+        setting = next(s for s in ZOOLOGY_MIXTURE if s[0] == length)
+        seen.add(setting)
+        assert (position == np.tile(np.arange(length), 256 // length)).all()  # each example its own document
+        for start in range(0, 256, length):  # every answer is the value stored with its key, inside its example
+            example, answers = row[start:start + length], target[start:start + length]
+            queried = np.nonzero(answers != IGNORE)[0]
+            assert len(queried) == setting[1]
+            for at in queried:
+                assert answers[at] == brute_force_answer(example, at, setting[1])
+    assert seen == set(ZOOLOGY_MIXTURE)  # 48 rows draw every setting
+    again = MQARLoader(vocab_size=8192, seq_len=256, batch_size=48, mixture=ZOOLOGY_MIXTURE, seed=2).batch(0)
+    assert all(torch.equal(again[key], batch[key]) for key in batch)
+
+
+def test_a_mixture_stream_resumes_and_refuses_another_mixture():
+    first = MQARLoader(vocab_size=64, seq_len=32, batch_size=4, mixture=[(16, 2), (32, 4)], seed=1)
+    stream = iter(first)
+    next(stream)
+    state = first.state_dict()
+    expected = next(stream)
+    resumed = MQARLoader(vocab_size=64, seq_len=32, batch_size=4, mixture=[(16, 2), (32, 4)], seed=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed))["input_ids"], expected["input_ids"])
+    with pytest.raises(ValueError, match="'mixture'"):
+        MQARLoader(vocab_size=64, seq_len=32, batch_size=4, mixture=[(32, 4)], seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks key 'num_pairs'"):
+        MQARLoader(vocab_size=64, seq_len=32, batch_size=4, num_pairs=4, seed=1).load_state_dict(state)
+
+
+def test_impossible_mixtures_name_the_entry():
+    with pytest.raises(MQARSettingError, match=r"^mixture\[1\].seq_len: 96 does not divide the rows of 256"):
+        check_mixture(vocab_size=8192, seq_len=256, mixture=[(64, 4), (96, 8)], query_power=0.01)
+    with pytest.raises(MQARSettingError, match=r"^mixture\[0\].seq_len: 64 holds the 32 pairs"):
+        check_mixture(vocab_size=8192, seq_len=256, mixture=[(64, 32)], query_power=0.01)
+    with pytest.raises(ConfigError, match=r"^recall.mixture\[1\].seq_len: 48 does not divide"):
+        load_run_config("configs/recall/softmax.yaml",
+                        ["recall.mixture=[{seq_len: 32, num_pairs: 4}, {seq_len: 48, num_pairs: 4}]"])
+    with pytest.raises(ConfigError, match=r"^recall.mixture\[0\]: expected \{seq_len: T, num_pairs: N\}"):
+        load_run_config("configs/recall/softmax.yaml", ["recall.mixture=[{seq_len: 32}]"])
+    with pytest.raises(ConfigError, match=r"^recall.vocab_size: 32 gives 15 keys"):
+        load_run_config("configs/recall/softmax.yaml", ["recall.vocab_size=32",
+                                                        "recall.mixture=[{seq_len: 64, num_pairs: 16}]"])
 
 
 class CopyingModel:
