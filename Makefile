@@ -12,7 +12,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,formats]'  # formats: the input-format tests run too
+	$(PY) -m pip install -q -e '.[dev,formats,hf]'  # formats, hf: the input-format and transformers tests run too
+	$(PY) -c 'from pretrain.distributed.process_group import build_comm_op; build_comm_op()'  # once, not in a test
 	touch $(STAMP)
 
 test: $(STAMP)

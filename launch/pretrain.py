@@ -60,11 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.data import ShardError
     from pretrain.distributed.build_locks import StaleLockError
     from pretrain.train import CheckpointError, NonFiniteLossError, RankLostError, train
+    from pretrain.train.preemption import PREEMPTED
+    from pretrain.train.run_lock import RunDirLockedError
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        train(cfg)
-    except (ConfigError, StaleLockError) as err:  # every rank finds the same: said once
+        stopped = train(cfg)
+    except (ConfigError, StaleLockError, RunDirLockedError) as err:  # every rank finds the same: said once
         if rank == 0:
             print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
         return 1
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}{_where_full(err, cfg.run.dir)}",
               file=sys.stderr)
         return 1
-    return 0
+    return PREEMPTED if stopped else 0  # a stop signal: saved, not finished (a scheduler requeues on it)
 
 
 if __name__ == "__main__":

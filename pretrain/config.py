@@ -9,7 +9,8 @@ shards' manifest) live with the tasks, in ``pretrain.tasks.config_checks``, whos
 """
 import math
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,11 @@ class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps 
 class DataConfig:
     tokenizer: str | None = MISSING  # PREFIX.model, a sentencepiece model (task lm; a vision run needs none)
     # a shard pattern (brace expansion, http(s):// ok), a list of patterns read as one, or a mixture (task lm): a list
-    # of {shards: PATTERN, weight: W > 0}, documents drawn by weight (task recall generates its rows: none)
+    # of {shards: PATTERN, weight: W > 0}, shared out by weight (mix_by) (task recall generates its rows: none)
     train_shards: Any = MISSING
+    # a mixture's weights share out: tokens (as NeoX and OLMo weigh them) or documents; a source's optional
+    # `name:` (letters, digits, _ and -) names its counts in the metrics: train/<name>_tokens (default source<i>)
+    mix_by: str = "tokens"
     val_shards: str | None = None
     allow_pipe: bool = False  # pipe: URLs run shell commands; refused unless true
     shuffle_buffer: int = 1000
@@ -157,6 +161,9 @@ class RecallConfig:  # task recall: MQAR rows of train.seq_len tokens, generated
     vocab_size: int = 8192  # keys from the lower half, values from the upper; model.vocab_size 0 → this
     num_pairs: int = 16  # key-value pairs per row, each queried once after them (needs train.seq_len >= 4·num_pairs)
     query_power: float = 0.01  # query gaps drawn ∝ gap^(power−1) as in Zoology: small → queries soon after the pairs
+    # [] → one setting (train.seq_len, num_pairs); else [{seq_len: T, num_pairs: N}, ...]: each row packs examples of
+    # one setting drawn per row (T must divide train.seq_len; num_pairs above is then unused), validated per setting
+    mixture: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -181,14 +188,22 @@ CHOICES = {
     "task": ("lm", "vision", "recall"),
     "schedule.name": ("cosine", "wsd", "constant"),
     "deepspeed.precision": ("fp32", "bf16", "fp16"),
+    "data.mix_by": ("tokens", "documents"),
 }
 
 
-def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> DictConfig:
-    """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides."""
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                foreign_keys: Collection[str] = ()) -> DictConfig:
+    """The validated config from a YAML file (None: the schema's defaults) and ``key=value`` overrides.
+
+    ``foreign_keys``: top-level keys of the file that another reader owns, left out (the transformers keys of an
+    exported config.json, ``pretrain.hf``).
+    """
     cfg = OmegaConf.structured(Config)
     if path is not None:
         for layer, source in _read_with_bases(Path(path)):
+            for key in foreign_keys:
+                layer.pop(key, None)
             cfg = _merge(cfg, layer, where=f"in {source}")
     for override in overrides:
         if "=" not in override:
@@ -330,15 +345,20 @@ def _train_shard_patterns(cfg: DictConfig) -> list[tuple[str, str | None]]:
     require(cfg, key, cfg.task == "lm", f"task {cfg.task} reads one shard pattern (a string); lists need task lm")
     if all(isinstance(entry, str) for entry in value):
         return [(f"{key}[{i}]", entry) for i, entry in enumerate(value)]
-    patterns = []
+    patterns, names = [], set()
     for i, entry in enumerate(value):
         where = f"{key}[{i}]"
         if not isinstance(entry, DictConfig):
             raise ConfigError(where, f"expected {{shards: PATTERN, weight: NUMBER}}, as every entry of a mixture "
                                      f"(got {entry!r})")
-        unknown = sorted(set(entry) - {"shards", "weight"})
+        unknown = sorted(set(entry) - {"shards", "weight", "name"})
         if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}", "unknown key (a source has shards and weight)")
+            raise ConfigError(f"{where}.{unknown[0]}", "unknown key (a source has shards, weight and a name)")
+        name = entry.get("name", f"source{i}")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", name) or name in names:
+            raise ConfigError(f"{where}.name", f"expected a name of letters, digits, _ and -, unique in the mixture "
+                                               f"(got {name!r})")
+        names.add(name)
         shards, weight = entry.get("shards"), entry.get("weight")
         if not isinstance(shards, str) or not shards.strip():
             raise ConfigError(f"{where}.shards", f"expected a shard pattern (got {shards!r})")
@@ -349,14 +369,14 @@ def _train_shard_patterns(cfg: DictConfig) -> list[tuple[str, str | None]]:
     return patterns
 
 
-def train_shard_sources(value: Any) -> str | list[tuple[str, float]] | None:
+def train_shard_sources(value: Any) -> str | list[tuple[str, float, str]] | None:
     """A checked ``data.train_shards`` as the data layer takes it: one pattern (a list of patterns joined by
-    ``::``), or a mixture's (pattern, weight) sources."""
+    ``::``), or a mixture's (pattern, weight, name) sources (``source<i>`` when unnamed)."""
     if value is None or isinstance(value, str):
         return value
     if all(isinstance(entry, str) for entry in value):
         return "::".join(value)
-    return [(entry["shards"], float(entry["weight"])) for entry in value]
+    return [(entry["shards"], float(entry["weight"]), entry.get("name", f"source{i}")) for i, entry in enumerate(value)]
 
 
 def _validate_vision(cfg: DictConfig) -> None:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.cli_help import HelpFormatter
-from pretrain.ops import delta_rule, linear_attention, softmax_attention
+from pretrain.ops import decayed_linear_attention, delta_rule, linear_attention, softmax_attention
 from pretrain.ops.precision import DTYPES
 
 import benchlib  # tools/, beside this script
@@ -35,6 +35,9 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "linear_chunk": lambda q, k, v: linear_attention(q, k, v, impl="chunk"),
     "linear_naive": lambda q, k, v: linear_attention(q, k, v, impl="naive"),
     "linear_triton": lambda q, k, v: linear_attention(q, k, v, impl="triton"),
+    # a gate per token and head from the values (Mamba-2's kind of decay), divisive like linear_chunk
+    "decayed_chunk": lambda q, k, v: decayed_linear_attention(q, k, v, F.logsigmoid(v[..., 0]), normalize="divisive",
+                                                              impl="chunk"),
     "fla_chunk": lambda q, k, v: fla_chunk_linear_attn(q, k, v),
     "delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0])),
     "gated_delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),

@@ -1,6 +1,7 @@
 """Score a trained recall run on fresh MQAR rows at several numbers of pairs and lengths, longer than trained too.
 
     python tools/eval_recall.py --run runs/recall/linear --pairs 8 16 32 64 --seq-lens 256 512 1024 --json out.json
+    python tools/eval_recall.py --run runs/recall_zoology/gated_deltanet --settings 64:4 128:8 256:16 512:64 1024:64
 
 The rows come from the ``test`` stream of ``--seed``, which no training or validation batch draws. Each setting
 reports the share of answers whose argmax is right, their mean NLL, and the bytes of the model's decoding state
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from pretrain.cli_help import HelpFormatter  # noqa: E402
 from pretrain.data.mqar import MQARLoader, MQARSettingError  # noqa: E402
-from pretrain.tasks.recall import recall_scores  # noqa: E402
+from pretrain.tasks.recall import mixture_of, recall_scores  # noqa: E402
 from pretrain.train.checkpoint import load_trained_model  # noqa: E402
 
 
@@ -41,10 +42,14 @@ def _tensors(value):
 
 
 @torch.no_grad()
+def trained_settings(cfg) -> list[tuple[int, int]]:
+    """The ``(seq_len, num_pairs)`` settings the run trained on."""
+    return mixture_of(cfg) or [(cfg.train.seq_len, cfg.recall.num_pairs)]
+
+
 def score(model, cfg, *, seq_len: int, num_pairs: int, rows: int, batch_size: int, seed: int) -> dict:
     """One setting's accuracy, NLL and state size, or the reason it cannot run."""
-    result = {"seq_len": seq_len, "num_pairs": num_pairs,
-              "trained": seq_len == cfg.train.seq_len and num_pairs == cfg.recall.num_pairs}
+    result = {"seq_len": seq_len, "num_pairs": num_pairs, "trained": (seq_len, num_pairs) in trained_settings(cfg)}
     batch_size = min(batch_size, rows)
     try:
         stream = MQARLoader(vocab_size=cfg.recall.vocab_size, seq_len=seq_len, num_pairs=num_pairs,
@@ -57,12 +62,24 @@ def score(model, cfg, *, seq_len: int, num_pairs: int, rows: int, batch_size: in
     return {**result, "accuracy": correct / answers, "nll": nll / answers, "answers": int(answers)}
 
 
+def setting_arg(text: str) -> tuple[int, int]:
+    """``T:N`` → ``(T, N)``."""
+    try:
+        length, pairs = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LENGTH:PAIRS such as 256:16; got {text!r}") from None
+    return length, pairs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--run", type=Path, required=True, help="run directory of a task: recall run")
     parser.add_argument("--tag", default="latest", help="checkpoint tag (default: the run's latest)")
     parser.add_argument("--pairs", type=int, nargs="+", help="numbers of key-value pairs (default: the trained one)")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="row lengths (default: trained, 2x, 4x)")
+    parser.add_argument("--settings", type=setting_arg, nargs="+", metavar="T:N",
+                        help="(length, pairs) settings scored, instead of the grid of --pairs × --seq-lens "
+                             "(default for a mixture run: its settings, then each at twice the length)")
     parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0, help="seed of the test rows")
@@ -72,14 +89,21 @@ def main(argv: list[str] | None = None) -> int:
     model, cfg, checkpoint = load_trained_model(args.run, args.tag)
     if cfg.task != "recall":
         parser.error(f"--run {args.run} is a task {cfg.task!r} run; eval_recall scores task recall runs")
-    trained = cfg.train.seq_len
+    if args.settings and (args.pairs or args.seq_lens):
+        parser.error("give --settings, or --pairs and --seq-lens, not both")
+    trained, mixture = cfg.train.seq_len, mixture_of(cfg)
+    settings = args.settings
+    if settings is None and mixture and not (args.pairs or args.seq_lens):
+        settings = [*mixture, *((2 * length, pairs) for length, pairs in mixture)]
+    if settings is None:
+        settings = [(seq_len, num_pairs) for seq_len in args.seq_lens or [trained, 2 * trained, 4 * trained]
+                    for num_pairs in args.pairs or [cfg.recall.num_pairs]]
     results = [score(model, cfg, seq_len=seq_len, num_pairs=num_pairs, rows=args.rows, batch_size=args.batch_size,
-                     seed=args.seed)
-               for seq_len in args.seq_lens or [trained, 2 * trained, 4 * trained]
-               for num_pairs in args.pairs or [cfg.recall.num_pairs]]
+                     seed=args.seed) for seq_len, num_pairs in settings]
     report = {"run": str(args.run), "checkpoint": str(checkpoint), "seed": args.seed,
               "mixers": list(cfg.model.layer_pattern) or [cfg.model.mixer], "dim": cfg.model.dim,
-              "trained": {"seq_len": trained, "num_pairs": cfg.recall.num_pairs}, "results": results}
+              "trained": [{"seq_len": length, "num_pairs": pairs} for length, pairs in trained_settings(cfg)],
+              "results": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))

@@ -3,11 +3,16 @@
     python tools/sweep_recall.py --configs configs/recall/*.yaml --widths 32 64 --seeds 0 1 --out runs/recall_sweep \\
         --pairs 4 8 16 --seq-lens 64 128 256 --json benchmarks/recall_mqar.json --plot benchmarks/recall_mqar.png \\
         train.max_steps=600
+    python tools/sweep_recall.py --configs configs/recall_zoology/*.yaml --widths 64 128 --lrs 1e-3 3e-3 1e-2 \\
+        --seeds 0 1 --settings 64:4 128:8 256:16 512:64 1024:64 --out runs/recall_zoology   # Zoology's setting
 
 Every run gets the same overrides (the budget), plus its width (``model.dim``) and seed (``run.seed``), so only the
-configs' own keys differ. Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python),
-and are scored by ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens``. A run whose ``eval.json`` exists
-is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
+configs' own keys differ. With ``--lrs``, each mixer and width first trains at every learning rate with the first
+seed (``optim.min_lr`` keeping its ratio to it); the rate with the best mean accuracy over the trained settings is
+kept, and the other seeds train at it only (the table and plot show the kept rate's runs, the JSON every run).
+Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python), and are scored by
+``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens`` (or at each ``--settings``). A run whose ``eval.json``
+exists is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
 refused: its figures would pass for this sweep's). Prints a markdown table of accuracy (mean over seeds) per mixer
 and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
 the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
@@ -15,6 +20,7 @@ the decoding state's bytes at the trained length, one panel per number of pairs 
 """
 import argparse
 import json
+import os
 import re
 import sys
 from collections import defaultdict
@@ -28,20 +34,27 @@ from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
 
 import benchlib  # noqa: E402  (tools/, beside this script)
+from eval_recall import setting_arg  # noqa: E402
 
 
 def mixer_label(cfg) -> str:
     return "+".join(cfg.model.layer_pattern) if cfg.model.layer_pattern else cfg.model.mixer
 
 
-def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace) -> dict:
+def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace, lr: float | None = None) -> dict:
     """Train and score one setting, or read its ``eval.json`` when an earlier sweep got that far."""
-    run_dir = args.out / f"{Path(config_path).stem}_d{width}_s{seed}"
+    rate = "" if lr is None else f"_lr{lr:g}"
+    run_dir = args.out / f"{Path(config_path).stem}_d{width}{rate}_s{seed}"
     result_file = run_dir / "eval.json"
     overrides = [*args.overrides, f"model.dim={width}", f"run.seed={seed}", f"run.dir={run_dir}"]
+    if lr is not None:  # the schedule's floor keeps its ratio to the rate
+        base = load_run_config(config_path, args.overrides).optim
+        overrides += [f"optim.lr={lr:g}", f"optim.min_lr={lr * base.min_lr / base.lr:g}"]
     train = [sys.executable, "launch/pretrain.py", "--config", config_path, *overrides]
+    scored = ["--settings", *(f"{t}:{n}" for t, n in args.settings)] if args.settings else \
+        ["--pairs", *map(str, args.pairs), "--seq-lens", *map(str, args.seq_lens)]
     evaluate = [sys.executable, "tools/eval_recall.py", "--run", str(run_dir), "--json", str(run_dir / "scores.json"),
-                "--pairs", *map(str, args.pairs), "--seq-lens", *map(str, args.seq_lens), "--rows", str(args.rows)]
+                *scored, "--rows", str(args.rows)]
     if result_file.exists():
         row = json.loads(result_file.read_text())
         for kind, command in (("train", train), ("eval", evaluate)):  # the python may differ, the arguments not
@@ -50,18 +63,42 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace)
                                  " give another --out or delete it")
         return row
     run_dir.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
     train_s = benchlib.run_logged(train, run_dir / "train.log")
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # 1-minute load average before and after training
     benchlib.run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "scores.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = load_run_config(config_path, overrides)
-    row = {"config": config_path, "mixer": mixer_label(cfg), "dim": width, "seed": seed,
+    row = {"config": config_path, "mixer": mixer_label(cfg), "dim": width, "seed": seed, "lr": cfg.optim.lr,
            "n_layers": cfg.model.n_layers, "train_seq_len": cfg.train.seq_len, "train_pairs": cfg.recall.num_pairs,
-           "steps": cfg.train.max_steps, "train_s": train_s,
+           "steps": cfg.train.max_steps, "train_s": train_s, "load": load,
            "val_recall_accuracy": [m["val/recall_accuracy"] for m in metrics if "val/recall_accuracy" in m][-1],
            "results": scores["results"], "train_command": " ".join(train), "eval_command": " ".join(evaluate)}
     result_file.write_text(json.dumps(row, indent=1))
     return row
+
+
+def trained_accuracy(row: dict) -> float:
+    """A run's mean accuracy over the settings it trained on: what picks its learning rate."""
+    scores = [r["accuracy"] for r in row["results"] if r["trained"] and "accuracy" in r]
+    return mean(scores) if scores else float("-inf")
+
+
+def sweep_mixer(config_path: str, width: int, args: argparse.Namespace) -> list[dict]:
+    """Every run of one config at one width: the learning-rate search at the first seed (with ``--lrs``), then the
+    other seeds at the best rate. The kept runs are marked ``kept``."""
+    first, *others = args.seeds
+    if not args.lrs:
+        rows = [sweep_one(config_path, width, seed, args) for seed in args.seeds]
+        return [{**row, "kept": True} for row in rows]
+    search = [sweep_one(config_path, width, first, args, lr) for lr in args.lrs]
+    best = max(range(len(args.lrs)), key=lambda i: trained_accuracy(search[i]))
+    print(f"{config_path} dim {width}: learning rate {args.lrs[best]:g} kept (trained-setting accuracy "
+          + ", ".join(f"{lr:g}: {trained_accuracy(row):.3f}" for lr, row in zip(args.lrs, search)) + ")",
+          file=sys.stderr, flush=True)
+    kept = [search[best]] + [sweep_one(config_path, width, seed, args, args.lrs[best]) for seed in others]
+    return [{**row, "kept": i == best} for i, row in enumerate(search)] + [{**row, "kept": True} for row in kept[1:]]
 
 
 def settings_of(rows: list[dict]) -> list[tuple[int, int]]:
@@ -72,7 +109,8 @@ def summary(rows: list[dict]) -> dict[tuple[str, int], dict]:
     """Per (mixer, width): the state bytes and the mean accuracy over seeds at each (seq_len, pairs) setting."""
     grouped = defaultdict(list)
     for row in rows:
-        grouped[row["mixer"], row["dim"]].append(row)
+        if row.get("kept", True):
+            grouped[row["mixer"], row["dim"]].append(row)
     table = {}
     for key, group in grouped.items():
         accuracy, state = defaultdict(list), {}
@@ -82,17 +120,18 @@ def summary(rows: list[dict]) -> dict[tuple[str, int], dict]:
                     accuracy[r["seq_len"], r["num_pairs"]].append(r["accuracy"])
                     state[r["seq_len"]] = r["state_bytes"]
         table[key] = {"accuracy": {s: mean(v) for s, v in accuracy.items()}, "state_bytes": state,
-                      "seeds": len(group)}
+                      "seeds": len(group), "lr": group[0]["lr"]}
     return table
 
 
 def markdown_table(rows: list[dict]) -> str:
     settings, table = settings_of(rows), summary(rows)
-    head = ["mixer", "dim", "state bytes (train len)"] + [f"T={t} N={n}" for t, n in settings]
+    head = ["mixer", "dim", "lr", "seeds", "state bytes (train len)"] + [f"T={t} N={n}" for t, n in settings]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     trained = rows[0]["train_seq_len"]
     for (mixer, dim), entry in table.items():
-        cells = [mixer, str(dim), f"{entry['state_bytes'].get(trained, float('nan')):,}"]
+        cells = [mixer, str(dim), f"{entry['lr']:g}", str(entry["seeds"]),
+                 f"{entry['state_bytes'].get(trained, float('nan')):,}"]
         cells += [f"{entry['accuracy'][s]:.3f}" if s in entry["accuracy"] else "—" for s in settings]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -128,14 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--widths", type=int, nargs="+", required=True, help="model.dim of each run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="run.seed of each run")
     parser.add_argument("--out", type=Path, required=True, help="folder of the run directories")
-    parser.add_argument("--pairs", type=int, nargs="+", required=True, help="numbers of pairs scored (eval_recall)")
-    parser.add_argument("--seq-lens", type=int, nargs="+", required=True, help="lengths scored (eval_recall)")
+    parser.add_argument("--lrs", type=float, nargs="+", help="learning rates searched at the first seed (optim.lr; "
+                                                              "default: each config's own)")
+    parser.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs scored (eval_recall)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="lengths scored (eval_recall)")
+    parser.add_argument("--settings", type=setting_arg, nargs="+", metavar="T:N",
+                        help="(length, pairs) settings scored, instead of the grid of --pairs × --seq-lens")
     parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
     parser.add_argument("--json", type=Path, help="write every run's row (with its commands) here")
     parser.add_argument("--plot", type=Path, help="write the accuracy-against-state-size plot here (PNG)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
     args = parser.parse_args(argv)
     _take_back_overrides(args, sys.argv[1:] if argv is None else argv)
+    if bool(args.settings) == bool(args.pairs and args.seq_lens) or (args.settings and (args.pairs or args.seq_lens)):
+        parser.error("give the scored settings as --settings, or as --pairs and --seq-lens")
     for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
         try:
             cfg = load_run_config(config_path, [*args.overrides, f"model.dim={max(args.widths)}"])
@@ -145,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--configs {config_path}: task {cfg.task!r}; the sweep trains task: recall configs")
     rows = []
     for width in args.widths:
-        for seed in args.seeds:
-            for config_path in args.configs:
-                rows.append(sweep_one(config_path, width, seed, args))
-                print(f"done {config_path} dim {width} seed {seed}: val accuracy "
-                      f"{rows[-1]['val_recall_accuracy']:.3f}", file=sys.stderr, flush=True)
+        for config_path in args.configs:
+            rows += sweep_mixer(config_path, width, args)
+            kept = [row for row in rows[-len(args.seeds):] if row["kept"]]
+            print(f"done {config_path} dim {width}: val accuracy "
+                  + ", ".join(f"{row['val_recall_accuracy']:.3f}" for row in kept), file=sys.stderr, flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"overrides": args.overrides, "pairs": args.pairs, "seq_lens": args.seq_lens,
-                                         "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"overrides": args.overrides, "lrs": args.lrs, "pairs": args.pairs,
+                                         "seq_lens": args.seq_lens, "settings": args.settings, "rows": rows},
+                                        indent=1))
     if args.plot:
         plot(rows, args.plot)
     print(markdown_table(rows))

@@ -12,4 +12,6 @@ from . import efficient
 from . import inline
 from . import aft
 from . import soft
+from . import retnet
+from . import mamba2
 from . import deltanet

@@ -30,8 +30,8 @@ class DeltaNet(Mixer):
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, gate: bool = False, short_conv: int = 4,
                  chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False):
         if not causal:
-            raise ValueError(f"{type(self).__name__} is causal only (its state is a recurrence); build it with "
-                             "causal=True")
+            raise ValueError("deltanet and gated_deltanet are causal only (their state is a recurrence); build them "
+                             "with causal=True")
         super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, short_conv=short_conv)
         self.gate, self.chunk_size, self.impl = gate, chunk_size, impl
         self.beta_proj = nn.Linear(dim, num_heads, bias=False)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..ops.decayed_linear_attention.state import combine_decayed_states, decayed_state_of_tokens, log_decay_after
 from ..ops.delta_rule.state import combine_transitions, transition_of_tokens
 from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
 from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
@@ -78,6 +79,76 @@ def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: to
                                             empty=[0.0] * fields, num_docs=num_docs, shared=shared,
                                             convolutions=convolutions)
     return LinearAttentionState(*initial), shared
+
+
+def decayed_linear_attention_entering(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
+                                      shard: SequenceShard, normalize: str, num_docs: int, *,
+                                      shared: Sequence[torch.Tensor] = ()
+                                      ) -> tuple[LinearAttentionState, list[torch.Tensor]]:
+    """``states_entering_slice`` for decayed linear attention (g packed ``[1, B·T, H]`` like k): each slice hands on
+    its tail document's state and total log-decay, whose empty values are zeros; the log-decay is dropped once
+    folded."""
+    rows = position_ids.shape
+    g_rows = g.reshape(*rows, g.shape[-1])
+    fields = len(FIELDS[normalize])
+
+    def state_of(k, v, mask):
+        state, log_decay = decayed_state_of_tokens(k, v, g_rows, mask, normalize)
+        return [*state[:fields], log_decay]
+
+    def combine(earlier, later):
+        state, log_decay = combine_decayed_states((LinearAttentionState(*earlier[:-1]), earlier[-1]),
+                                                  (LinearAttentionState(*later[:-1]), later[-1]))
+        return [*state[:fields], log_decay]
+
+    initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
+                                            empty=[0.0] * (fields + 1), num_docs=num_docs, shared=shared)
+    return LinearAttentionState(*initial[:-1]), shared
+
+
+
+def decayed_conv_entering(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, features: torch.Tensor,
+                          position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, halo: int,
+                          head_keys_values: Callable, head_extras: Sequence[torch.Tensor] = ()
+                          ) -> tuple[LinearAttentionState, torch.Tensor]:
+    """``decayed_linear_attention_entering`` (``normalize="none"``) for a mixer whose keys and values come out of a
+    causal convolution reaching ``halo`` tokens back over ``features [B, T, C]``; k, v, g packed ``[1, B·T, ...]``,
+    computed with zeros before the slice. Returns the initial state of each packed document and ``before
+    [B, halo, C]``, the previous slice's last features (zeros where the row's first document starts here), with
+    which the mixer recomputes its first ``halo`` tokens.
+
+    The halo travels in the states' packet, one all-gather: a slice hands on its state *without* the first tokens
+    whose convolution reaches back into the previous slice (their k, v here are wrong), and sends those tokens'
+    features, positions, ``head_extras`` (per-token inputs ``[B, T, ...]`` of ``head_keys_values`` besides the
+    features) and weights ``exp(log-decay after them)``, beside its last ``halo`` features. Folding the slices in
+    order, a rank recomputes each earlier slice's missing tokens with
+    ``head_keys_values(features, before, positions, *extras) -> (k, v) [B, halo, H, *]`` from the halo of the
+    slice before it, and adds them to that slice's state before the combine rule. A slice whose tail document
+    begins inside it has no such tokens, so the fold's restart there needs no correction.
+    """
+    if halo == 0:
+        return decayed_linear_attention_entering(k, v, g, position_ids, shard, "none", num_docs)[0], features[:, :0]
+    layout = slice_layout(position_ids)
+    rows, head = position_ids.shape, slice(0, halo)
+    k, v, g = (t.reshape(*rows, *t.shape[2:]) for t in (k, v, g))
+    reaches_back = (position_ids[:, head] > torch.arange(halo, device=k.device)) & layout.tail[:, head]
+    keep = torch.cat([~reaches_back, reaches_back.new_ones(rows[0], rows[1] - halo)], dim=1)
+    state, log_decay = decayed_state_of_tokens(k * keep[..., None, None], v, g, layout.tail, "none")
+    weights = log_decay_after(g.to(state.S.dtype), layout.tail)[:, head].exp() * reaches_back[..., None]
+    handed_on = [state.S, log_decay, features[:, rows[1] - halo:], features[:, head], position_ids[:, head],
+                 *(extra[:, head] for extra in head_extras), weights]
+
+    def combine(earlier, later):
+        S, log_decay, before = earlier[:3]
+        S_later, log_decay_later, _, features, positions, *extras, weights = later
+        k, v = head_keys_values(features, before, positions.round().long(), *extras)
+        S_later = S_later + torch.einsum("bth,bthk,bthv->bhkv", weights, k.to(weights.dtype), v.to(weights.dtype))
+        S = combine_decayed_states((LinearAttentionState(S), log_decay),
+                                   (LinearAttentionState(S_later), log_decay_later))[0].S
+        return [S, log_decay + log_decay_later, *later[2:]]
+
+    initial, _ = entering_states(handed_on, layout, shard, combine, [0.0] * len(handed_on), num_docs)
+    return LinearAttentionState(initial[0]), initial[2][layout.first_doc]
 
 
 class SliceConvolutions:

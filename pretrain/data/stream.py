@@ -24,6 +24,7 @@ every rerun and in every worker). An epoch with no readable sample is an error, 
 """
 import logging
 import os
+import signal
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -150,6 +151,14 @@ def _as_is(item):
     return item
 
 
+def _leave_stop_signals_to_the_trainer(worker_id: int) -> None:
+    """A worker ignores SIGTERM and SIGINT: its trainer, stopping on them, saves and then closes it. PyTorch's own
+    handler dies of a SIGTERM from anyone but the parent (a launcher terminating every child of a rank, a signal to
+    a process group), and the trainer, told of it by its SIGCHLD handler, died in turn before it saved."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def check_at_least(**values: tuple[Any, int]) -> None:
     """Each ``name=(value, least)`` must be an integer >= least; the error names the key."""
     for name, (value, least) in values.items():
@@ -201,7 +210,7 @@ class StreamLoader:
             produced = stream.batches(start)
         else:
             produced = DataLoader(_WorkerShare(stream, start), batch_size=None, num_workers=self.num_workers,
-                                  collate_fn=_as_is)
+                                  collate_fn=_as_is, worker_init_fn=_leave_stop_signals_to_the_trainer)
         for item in produced:
             if isinstance(item, _WorkerFailure):
                 raise item.error

@@ -47,8 +47,10 @@ def build_optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, fused=torch.cuda.is_available(), **kwargs)
 
 
-def build_engine(cfg: DictConfig, model: nn.Module, world_size: int, lr_at_step: Callable[[int], float]):
-    """Wrap ``model`` in a DeepSpeed engine whose scheduler sets the LR of optimizer step k to ``lr_at_step(k)``."""
+def build_engine(cfg: DictConfig, model: nn.Module, world_size: int, lr_at_step: Callable[[int], float], *,
+                 load_universal: bool = False):
+    """Wrap ``model`` in a DeepSpeed engine whose scheduler sets the LR of optimizer step k to ``lr_at_step(k)``;
+    ``load_universal``: its ``load_checkpoint`` reads a universal checkpoint (a resume on another number of ranks)."""
     import deepspeed
 
     if cfg.deepspeed.precision == "fp16" and not torch.cuda.is_available():
@@ -59,11 +61,14 @@ def build_engine(cfg: DictConfig, model: nn.Module, world_size: int, lr_at_step:
     def scheduler(optimizer):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at_step(step) / base_lr)
 
+    config = deepspeed_config(cfg, world_size)
+    if load_universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_optimizer(cfg, model),
         lr_scheduler=scheduler,
-        config=deepspeed_config(cfg, world_size),
+        config=config,
     )
     return engine
 

@@ -5,6 +5,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU collectives, a torch JIT extension
+
+
+def use_extensions_dir() -> str:
+    """Where torch builds (and finds) JIT extensions, set before DeepSpeed builds one: ``TORCH_EXTENSIONS_DIR`` when
+    the user set it; else, in a writable virtual environment, ``torch_extensions`` under it. Environments sharing
+    torch's default (``~/.cache/torch_extensions``) rebuilt the op for each other, 85 s a time, when their torch
+    builds differed."""
+    in_venv = sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK)
+    if in_venv:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+
+
+def build_comm_op() -> None:
+    """Build DeepSpeed's CPU comm op now, where ``use_extensions_dir`` puts it (``make setup`` calls this, so no
+    test or run pays the minute, or dies in the middle of it under a timeout). Nothing to build on CUDA."""
+    if torch.cuda.is_available():
+        return
+    extensions = use_extensions_dir()
+    check_build_locks()
+    if os.path.exists(os.path.join(extensions, COMM_OP, f"{COMM_OP}.so")):
+        return
+    print(f"building DeepSpeed's CPU comm op under {extensions} (about a minute, once per environment)", flush=True)
+    from deepspeed.accelerator import get_accelerator
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+
+
 def init_process_group() -> World:
     """Join the launcher's process group: nccl on CUDA, gloo on CPU.
 
@@ -59,20 +92,23 @@ def init_process_group() -> World:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     local_rank, world_size = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ["WORLD_SIZE"])
     said = f"joining {world_size} rank{'s' if world_size > 1 else ''}"
+    extensions = use_extensions_dir()
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
         check_build_locks()  # DeepSpeed loads (or first builds) its CPU comm op in init_distributed
-        from torch.utils.cpp_extension import get_default_build_root
-
-        said += (f"; DeepSpeed loads its CPU comm op, built on first use (about a minute) under "
-                 f"{os.environ.get('TORCH_EXTENSIONS_DIR') or get_default_build_root()}")
+        if not os.path.exists(os.path.join(extensions, COMM_OP, f"{COMM_OP}.so")):
+            said += f"; DeepSpeed builds its CPU comm op under {extensions} (about a minute, once per environment)"
     if os.environ["RANK"] == "0":
         print(said, file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" on every rank
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    # DeepSpeed's collectives call torch's all_gather_into_tensor, deprecated in favour of all_gather_single, which
+    # it now calls: the same op, and a FutureWarning from every rank of every ZeRO run that the user cannot act on
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     _unlink_shm_allreduce_buffer()
     processes = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(processes, (socket.gethostname(), os.getpid()))

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pretrain.attention.base import Mixer
+from pretrain.config import ConfigError
 from pretrain.parallel import SequenceShard
 
 from .process_group import World
@@ -19,7 +20,7 @@ def split_sequences(world: World, size: int) -> World:
     if size == 1:
         return world
     if world.world_size % size:
-        raise ValueError(f"parallel.sequence_parallel={size} must divide the number of ranks ({world.world_size})")
+        raise ConfigError("parallel.sequence_parallel", f"{size} must divide the number of ranks ({world.world_size})")
     shard = None
     for start in range(0, world.world_size, size):
         ranks = list(range(start, start + size))

@@ -23,10 +23,13 @@ def layer_mixers(model_cfg: ModelConfig) -> list[str]:
     return [pattern[i % len(pattern)] for i in range(model_cfg.n_layers)]
 
 
-def mixer_kwargs(model_cfg: ModelConfig, name: str) -> dict:
-    """The options ``name`` is built with: shared model keys it accepts, then ``model.mixer_options.<name>``."""
+def mixer_kwargs(model_cfg: ModelConfig, name: str, layer_index: int = 0) -> dict:
+    """The options ``name`` is built with: shared model keys it accepts, its place in the stack (``layer_index``,
+    ``num_layers``) if it declares them (a per-layer decay schedule does), then ``model.mixer_options.<name>``."""
     accepted = mixer_options(name)
     options = {key: getattr(model_cfg, key) for key in SHARED_MIXER_OPTIONS if key in accepted}
+    place = {"layer_index": layer_index, "num_layers": model_cfg.n_layers}
+    options.update({key: value for key, value in place.items() if key in accepted})
     options.update(model_cfg.mixer_options.get(name) or {})
     return options
 
@@ -71,10 +74,12 @@ class CausalLM(nn.Module):
             )
         hidden = swiglu_hidden(dim, model_cfg.ffn_hidden, model_cfg.multiple_of)
         self.embed = nn.Embedding(vocab, dim)
+        names = layer_mixers(model_cfg)
         self.layers = nn.ModuleList(
-            Block(build_mixer(name, dim, model_cfg.n_heads, causal=True, options=mixer_kwargs(model_cfg, name)),
+            Block(build_mixer(name, dim, model_cfg.n_heads, causal=True,
+                              options=mixer_kwargs(model_cfg, name, layer_index=index)),
                   dim, hidden, model_cfg.norm_eps)
-            for name in layer_mixers(model_cfg)
+            for index, name in enumerate(names)
         )
         self.norm = RMSNorm(dim, eps=model_cfg.norm_eps)
         self.lm_head = LMHead(dim, vocab)
@@ -111,12 +116,30 @@ class CausalLM(nn.Module):
 
     def prefill(self, input_ids):
         """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``."""
+        logits, states = self.forward_with_state(input_ids, last=1)
+        return logits[:, 0], states
+
+    def forward_with_state(self, input_ids, states=None, *, last: int = 0):
+        """``input_ids [B, T]`` continuing from ``states`` (None: from the start) → ``(logits, states after them)``;
+        the logits of every token ``[B, T, V]``, or of the ``last`` few.
+
+        From the start the tokens go through each mixer's parallel ``prefill``; after a state, one at a time through
+        ``step``, which every mixer has (decoding feeds one token at a time, so that is the path that counts).
+        """
         x = self.embed(input_ids)
-        states = []
-        for block in self.layers:
-            x, state = block.prefill(x)
-            states.append(state)
-        return self.lm_head(self.norm(x[:, -1])), states
+        if states is None:
+            states = []
+            for block in self.layers:
+                x, state = block.prefill(x)
+                states.append(state)
+        else:
+            states, outputs = list(states), []
+            for x_t in x.unbind(dim=1):
+                for i, block in enumerate(self.layers):
+                    x_t, states[i] = block.step(x_t, states[i])
+                outputs.append(x_t)
+            x = torch.stack(outputs, dim=1)
+        return self.lm_head(self.norm(x[:, -last:] if last else x)), states
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""

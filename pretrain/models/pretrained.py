@@ -14,10 +14,29 @@ from pathlib import Path
 from torch import nn
 
 from ..config import ModelConfig, VisionConfig
+from ..data.tokenizer import EOS_ID, PAD_ID
 from .lm import build_lm
 from .vision import build_vision_model
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.model"
+
+# What also makes the directory a transformers model (``pretrain.hf``): config.json's model type, and a module
+# transformers imports with trust_remote_code=True when ``pretrain`` was not imported first (``lm_eval`` on the
+# command line): it only imports the installed package's classes.
+TRANSFORMERS_MODULE = "pretrain_hf.py"
+TRANSFORMERS_MODULE_SOURCE = (
+    '"""This directory\'s transformers classes, from the installed pretrain package (its hf extra)."""\n'
+    "from pretrain.hf import PretrainConfig, PretrainForCausalLM, PretrainTokenizer\n"
+)
+TRANSFORMERS_KEYS = {
+    "model_type": "pretrain",
+    # what transformers' generation config reads: generate stops at eos as tools/generate.py does, pads finished
+    # rows with pad, and a text begins after eos as a packed document does (pretrain.data.tokenizer's fixed ids)
+    "bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID,
+    "architectures": ["PretrainForCausalLM"],
+    "auto_map": {"AutoConfig": "pretrain_hf.PretrainConfig", "AutoModelForCausalLM": "pretrain_hf.PretrainForCausalLM",
+                 "AutoTokenizer": ["pretrain_hf.PretrainTokenizer", None]},
+}
 
 
 def is_export(path: str | os.PathLike) -> bool:
@@ -54,6 +73,13 @@ def _section(cls, config: dict, name: str, file: Path):
         raise ValueError(f"{file}: {name}.{unknown[0]} is not a key of this version's {cls.__name__}; export the run "
                          "with this version")
     return cls(**values)
+
+
+def causal_lm_config(config: dict, file: str | os.PathLike = CONFIG) -> ModelConfig:
+    """The ``ModelConfig`` of the causal LM an exported ``config.json`` (``config``) describes; vision is refused."""
+    if config.get("task") == "vision":
+        raise ValueError(f"{file}: a vision model (task: vision) is not a causal LM")
+    return _section(ModelConfig, config, "model", Path(file))
 
 
 def _build_model(config: dict, file: Path) -> nn.Module:

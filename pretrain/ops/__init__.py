@@ -10,6 +10,7 @@ from .delta_rule import delta_rule, delta_rule_naive
 from .aft import (aft_conv2d, aft_conv2d_naive, aft_full, aft_full_naive, aft_local, aft_local_naive, aft_simple,
                   aft_simple_naive)
 from .linear_attention import LinearAttentionState, linear_attention
+from .decayed_linear_attention import decayed_linear_attention
 from .rope import apply_rope
 from .softmax import softmax_attention, softmax_attention_naive
 from .soft import newton_schulz_pinv, soft_attention, soft_attention_naive

@@ -7,7 +7,7 @@ manifest when they are 0. Every error is still a ``ConfigError`` naming the key 
 and the tools load configs through ``load_run_config``.
 """
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -22,9 +22,10 @@ from pretrain.models.vision import build_vision_model, stage_options
 from pretrain.tasks.recall import check_recall_config
 
 
-def load_run_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> DictConfig:
+def load_run_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                    foreign_keys: Collection[str] = ()) -> DictConfig:
     """``pretrain.config.load_config``, then the checks of the run's task below: the config a run can start from."""
-    cfg = load_config(path, overrides)
+    cfg = load_config(path, overrides, foreign_keys=foreign_keys)
     check_run_config(cfg)
     return cfg
 

@@ -5,7 +5,6 @@ Validation scores the validation shards' documents (round-robin over ranks) exac
 """
 import math
 
-import torch
 from omegaconf import DictConfig
 
 from pretrain.config import ConfigError, train_shard_sources
@@ -25,10 +24,12 @@ class LMTask(TokenRowsTask):
         except (OSError, ValueError) as err:
             raise ConfigError("data.tokenizer", str(err)) from None
         sources = train_shard_sources(cfg.data.train_shards)
+        self.source_names = []
         if isinstance(sources, list):
             self.loader = MixtureLoader([(self._open(f"data.train_shards[{i}].shards", pattern), weight)
-                                         for i, (pattern, weight) in enumerate(sources)],
-                                        num_workers=cfg.data.num_workers)
+                                         for i, (pattern, weight, _) in enumerate(sources)],
+                                        num_workers=cfg.data.num_workers, by=cfg.data.mix_by)
+            self.source_names = [name for *_, name in sources]
         else:
             self.loader = self._open("data.train_shards", sources)
         if cfg.data.verify_shards:
@@ -55,15 +56,12 @@ class LMTask(TokenRowsTask):
             raise ConfigError(key, str(err)) from None
 
     def train_metrics(self) -> dict[str, float]:
-        """A mixture's documents and tokens per source so far, summed over data-parallel replicas (a collective:
-        every rank calls it on logging steps)."""
+        """A mixture's documents and tokens per source so far, by the sources' names, over all replicas (they share
+        one stream, so every rank holds the same counts at a step's end)."""
         if not isinstance(self.loader, MixtureLoader):
             return {}
-        counts = torch.tensor(self.loader.source_counts(), dtype=torch.float64)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts)
-            counts /= self.world.world_size // self.world.data_size  # the ranks of a sequence group share rows
-        return {f"train/source{i}_{what}": value for i, row in enumerate(counts.tolist())
+        counts = self.loader.source_counts()
+        return {f"train/{name}_{what}": float(value) for name, row in zip(self.source_names, counts)
                 for what, value in zip(("documents", "tokens"), row)}
 
     @property

@@ -6,23 +6,36 @@ Layout: ``CKPT_DIR/step00000500/`` holds DeepSpeed's files (model, optimizer, LR
 after every rank finished; ``latest`` moves only then. A save interrupted at any point (a full disk, a kill) leaves
 ``latest`` on the previous complete tag and a *partial* tag, which never counts as a checkpoint: pruning and the
 next run's start remove it, and loading it is refused.
+
+Elastic resume: a checkpoint loads on another number of ranks. Without partitioned optimizer states (ZeRO 0 in
+fp32) DeepSpeed's model-states file holds everything and loads as it is. Partitioned ones (ZeRO 1-3, or DeepSpeed's
+bf16 optimizer) are converted once by DeepSpeed's ``ds_to_universal`` into ``TAG/universal/`` (one file per parameter
+and state, whole) and loaded with ``checkpoint.load_universal``, each rank taking its new partition; the converted
+copy is removed after the load. The client state (step, counters, data cursor) is the same on every rank, so rank
+0's serves any new rank.
 """
+import argparse
 import contextlib
+import io
 import re
 import shutil
 import sys
+import time
+from dataclasses import fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from ..atomic import atomic_path
-from ..config import ConfigError
+from ..config import Config, ConfigError
 from ..distributed.engine import reapply_lr_schedule
 from ..distributed.process_group import lost_a_rank
 from ..models.pretrained import CONFIG, TOKENIZER, WEIGHTS, is_export, load_pretrained, read_export_config
 from ..tasks import build_model
 from ..tasks.config_checks import load_run_config
+from .run_tokenizer import check_tokenizer
 
 TAG = re.compile(r"step(\d{8})")
 COMPLETE = "complete"  # marker file: every rank's files of the tag are on disk
@@ -35,6 +48,10 @@ class CheckpointError(OSError):
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def tag_step(tag: str | None) -> int | None:
+    return int(TAG.fullmatch(tag).group(1)) if tag and TAG.fullmatch(tag) else None
 
 
 def _client_state_path(ckpt_dir: Path, tag: str, rank: int) -> Path:
@@ -128,26 +145,90 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
 
 
+def ranks_that_wrote(ckpt_dir: Path, tag: str) -> int:
+    return len(list((Path(ckpt_dir) / tag).glob("client_state_rank*.pt")))
+
+
+def needs_resharding(ckpt_dir: Path, world_size: int) -> bool:
+    """Whether the latest checkpoint holds optimizer states partitioned over another number of ranks than
+    ``world_size``: the engine must then be built to load a universal checkpoint (``load_universal``)."""
+    tag = latest_tag(ckpt_dir)
+    return (tag is not None and ranks_that_wrote(ckpt_dir, tag) != world_size
+            and any((Path(ckpt_dir) / tag).glob("*optim_states.pt")))
+
+
+def _convert_to_universal(ckpt_dir: Path, tag: str) -> float:
+    """Write ``TAG/universal/`` with DeepSpeed's ``ds_to_universal`` (in this process, its report kept off the
+    run's output); return the seconds it took."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    source, target = ckpt_dir / tag, ckpt_dir / tag / "universal"
+    shutil.rmtree(target, ignore_errors=True)
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+    start, report = time.perf_counter(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
+            ds_to_universal.main(args)
+    except Exception as err:  # DeepSpeed's own asserts and errors: a one-line refusal naming the checkpoint
+        shutil.rmtree(target, ignore_errors=True)
+        raise CheckpointError(f"cannot reshard checkpoint {source} for this number of ranks: DeepSpeed's "
+                              f"ds_to_universal failed ({type(err).__name__}: {err}); resume with the number of "
+                              f"ranks that wrote it ({ranks_that_wrote(ckpt_dir, tag)})") from err
+    return time.perf_counter() - start
+
+
+def _repair_universal_load(engine, settings: list[dict]) -> None:
+    """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19.8): every param group gets the first group's
+    settings (weight decay on norms and biases too), and every group's state the same ``step`` tensor, which Adam
+    then increments once per group (its bias correction runs ahead). ``settings`` are each group's, taken before."""
+    for group, own in zip(engine.optimizer.param_groups, settings, strict=True):
+        group.update(own)
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer under ZeRO's
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
 def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
-    """Restore model, optimizer and LR scheduler from ``tag`` (default: ``latest``); return this rank's client state,
-    or None when there is nothing to resume."""
-    ckpt_dir, rank, world_size = Path(ckpt_dir), dist.get_rank(), dist.get_world_size()
+    """Restore model, optimizer and LR scheduler from ``tag`` (default: ``latest``), on the number of ranks that
+    wrote it or another (``resharded_s`` in the returned state: the seconds the conversion took, or None); return
+    this rank's client state (rank 0's for a rank the checkpoint did not have), or None when there is nothing to
+    resume."""
+    ckpt_dir, rank = Path(ckpt_dir), dist.get_rank()
     tag = tag or latest_tag(ckpt_dir)
     if tag is None:
         return None
-    path = _client_state_path(ckpt_dir, tag, rank)
+    written_by = ranks_that_wrote(ckpt_dir, tag)
+    path = _client_state_path(ckpt_dir, tag, rank if rank < written_by else 0)
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: checkpoint {ckpt_dir / tag} was not written by a world of "
-                                f"{world_size} ranks; resume with the world size that wrote it")
+        raise CheckpointError(f"{path} is missing: checkpoint {ckpt_dir / tag} is incomplete")
     client_state = torch.load(path, weights_only=False)
-    if client_state["world_size"] != world_size:
-        raise ValueError(f"checkpoint {ckpt_dir / tag} was written by {client_state['world_size']} ranks, "
-                         f"this run has {world_size}; resume with the same world size")
-    loaded, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    load_dir, load_tag, resharded_s = ckpt_dir, tag, None
+    settings = [{key: value for key, value in group.items() if key not in ("params", "lr", "initial_lr")}
+                for group in engine.optimizer.param_groups]  # this run's; the LR is the schedule's
+    if engine.load_universal_checkpoint():  # built so by needs_resharding
+        outcome = [None, None]  # (seconds, error): rank 0 converts, and every rank learns how it went
+        if rank == 0:
+            try:
+                outcome = [_convert_to_universal(ckpt_dir, tag), None]
+            except CheckpointError as err:
+                outcome = [None, str(err)]
+        dist.broadcast_object_list(outcome, src=0)
+        resharded_s, error = outcome
+        if error:
+            raise CheckpointError(error)
+        load_dir, load_tag = ckpt_dir / tag, "universal"
+    loaded, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
     if loaded is None:
-        raise FileNotFoundError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+        raise CheckpointError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+    if load_tag == "universal":
+        _repair_universal_load(engine, settings)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt_dir / tag / "universal", ignore_errors=True)
     reapply_lr_schedule(engine)  # a relaunch may have changed train.max_steps, so the schedule
-    return client_state
+    return {**client_state, "written_by": written_by, "resharded_s": resharded_s}
 
 
 def load_model_weights(ckpt_dir: Path, tag: str, *, zero_stage: int) -> dict[str, torch.Tensor]:
@@ -176,16 +257,21 @@ def trained_config(path: Path):
     with ``data.tokenizer`` pointing at the tokenizer copy beside it), without reading any weights."""
     path = Path(path)
     if is_export(path):
-        overrides = []
-        if read_export_config(path).get("data", {}).get("tokenizer"):  # the run had a tokenizer: the copy
+        overrides, exported = [], read_export_config(path)
+        if exported.get("data", {}).get("tokenizer"):  # the run had a tokenizer: the copy
             tokenizer = path / TOKENIZER
             if not tokenizer.is_file():
                 raise FileNotFoundError(f"{tokenizer} is missing: export the run again")
+            check_tokenizer(path, str(tokenizer))
             overrides = [f"data.tokenizer={tokenizer}"]
-        return load_run_config(path / CONFIG, overrides)
+        # beside the run's sections, the keys transformers reads and its save_pretrained writes (pretrain.hf)
+        return load_run_config(path / CONFIG, overrides, foreign_keys=set(exported) - {f.name for f in fields(Config)})
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a run directory (no {path / 'config.yaml'}) nor an exported "
                                 f"model (no {path / WEIGHTS})")
+    tokenizer = OmegaConf.load(path / "config.yaml").get("data", {}).get("tokenizer")
+    if tokenizer:  # before the config's checks read it
+        check_tokenizer(path, tokenizer)
     return load_run_config(path / "config.yaml")
 
 
@@ -222,12 +308,13 @@ def init_weights(model: torch.nn.Module, source: str) -> Path:
     except (OSError, ValueError) as err:  # a missing or broken source; its config (ConfigError is a ValueError)
         raise ConfigError("train.init_from", f"cannot load {source}: {err}") from None
     theirs, ours = trained.state_dict(), model.state_dict()
-    shape = lambda t: "absent" if t is None else f"shape {list(t.shape)}"
     for name in [*ours, *(name for name in theirs if name not in ours)]:
         mine, found = ours.get(name), theirs.get(name)
         if mine is None or found is None or mine.shape != found.shape:
-            raise ConfigError("train.init_from", f"parameter {name} has {shape(found)} in {where} but {shape(mine)} "
-                                                 "in this run's model: the architectures differ; make model.* (and "
-                                                 "the vocabulary) match the source's")
+            in_source = "is absent" if found is None else f"has shape {list(found.shape)}"
+            in_run = "is absent" if mine is None else f"{'has ' if found is None else ''}shape {list(mine.shape)}"
+            raise ConfigError("train.init_from", f"parameter {name} {in_source} in {where} but {in_run} in this "
+                                                 "run's model: the architectures differ; make model.* (and the "
+                                                 "vocabulary) match the source's")
     model.load_state_dict(theirs)
     return where

@@ -5,17 +5,18 @@ and the validation figures; the loop keeps what every task shares (engine, metri
 non-finite steps).
 """
 import contextlib
-import functools
 import math
 import time
 from dataclasses import asdict, dataclass
 from itertools import chain
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from pretrain.config import ConfigError
 from pretrain.distributed import (
     World,
     apply_activation_checkpointing,
@@ -25,16 +26,17 @@ from pretrain.distributed import (
     init_process_group,
     split_sequences,
 )
-from pretrain.distributed.engine import step_with_grad_norm
+from pretrain.distributed.engine import reapply_lr_schedule, step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.tasks import build_task
 
-from . import checkpoint
+from . import checkpoint, run_lock
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
-from .preemption import StopRequest, held_from_child_processes
+from .preemption import PREEMPTED, StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import prepare_run_dir
-from .schedule import lr_at
+from .run_tokenizer import pin_tokenizer
+from .schedule import Plan
 
 
 class RankLostError(RuntimeError):
@@ -125,6 +127,9 @@ class Trainer:
     def __init__(self, cfg: DictConfig):
         self.cfg, t = cfg, cfg.train
         self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
+        lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
+        pin_tokenizer(Path(cfg.run.dir), cfg.data.tokenizer, is_main=self.world.is_main,
+                      resuming=checkpoint.latest_tag(Path(cfg.run.dir) / "checkpoints") is not None)
         self.run_dir = prepare_run_dir(cfg, self.world.is_main)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.task = build_task(cfg, self.world)
@@ -140,12 +145,16 @@ class Trainer:
         apply_sequence_parallel(model, self.world.sequence, t.seq_len)
         if cfg.deepspeed.activation_checkpointing:
             apply_activation_checkpointing(model)
-        schedule = functools.partial(lr_at, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
-                                     warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
-                                     max_steps=t.max_steps)
-        self.engine = build_engine(cfg, model, self.world.world_size, schedule)
+        self.schedule = Plan(lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,
+                             warmup_steps=cfg.schedule.warmup_steps, decay_steps=cfg.schedule.decay_steps,
+                             max_steps=t.max_steps)
+        self.engine = build_engine(cfg, model, self.world.world_size, self.schedule,
+                                   load_universal=checkpoint.needs_resharding(self.ckpt_dir, self.world.world_size))
 
-        self.writer = MetricsWriter(self.run_dir, self.world.is_main)
+        self.writer = MetricsWriter(self.run_dir, self.world.is_main,
+                                    resume_step=checkpoint.tag_step(checkpoint.latest_tag(self.ckpt_dir)))
+        if lock_note:
+            self.writer.print(lock_note)
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
         self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
@@ -165,17 +174,37 @@ class Trainer:
                                   "optimizer, schedule and data position)")
             return
         self.counters = Counters(**resumed["counters"])
-        self.task.load_state_dict(resumed["data"])
+        try:
+            self.task.load_state_dict(resumed["data"])
+        except ValueError as err:  # another data stream (a task's or an older layout's state): one line
+            raise checkpoint.CheckpointError(f"cannot resume {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)}"
+                                             f": {err}") from None
         set_rng_state(resumed["rng"])
         self.writer.print(f"resumed from {self.ckpt_dir / checkpoint.latest_tag(self.ckpt_dir)} "
                           f"at step {self.counters.step}")
+        for line in elastic_resume_lines(resumed, self.layout()):
+            self.writer.print(line)
+        if self.counters.step >= self.cfg.train.max_steps:
+            raise ConfigError("train.max_steps", f"{self.cfg.train.max_steps} is not past the resumed step "
+                                                 f"{self.counters.step}: nothing to train; raise it to continue")
+        replanned = self.schedule.resume(resumed.get("schedule"), self.counters.step)
+        if replanned:
+            reapply_lr_schedule(self.engine)
+            self.writer.print(replanned)
         if self.cfg.train.init_from:
             self.writer.print(f"train.init_from {self.cfg.train.init_from} is not applied: the run resumes from its "
                               "own checkpoint")
 
+    def layout(self) -> dict:
+        """How the run's ranks share a step (saved with a checkpoint, compared on resume)."""
+        t = self.cfg.train
+        return {"world_size": self.world.world_size, "replicas": self.world.data_size,
+                "sequence_parallel": self.cfg.parallel.sequence_parallel,
+                "rows_per_step": t.micro_batch_size * t.grad_accum_steps * self.world.data_size}
+
     def save(self) -> None:
         state = {"counters": asdict(self.counters), "data": self.task.state_dict(), "rng": rng_state(),
-                 "world_size": self.world.world_size}
+                 "schedule": self.schedule.state(), **self.layout()}
         tag = checkpoint.save(self.engine, self.ckpt_dir, self.counters.step, state,
                               keep_last=self.cfg.checkpoint.keep_last)
         self.writer.print(f"saved checkpoint {self.ckpt_dir / tag}")
@@ -232,9 +261,10 @@ class Trainer:
                           f"{values['train/flops_per_s_per_rank'] / 1e12:.3f} TFLOP/s/rank{mfu} | "
                           f"epoch {self.task.epoch}")
 
-    def run(self) -> None:
-        """Train until ``train.max_steps`` or a stop signal. The data loader's workers are stopped on the way out,
-        error or not: left running, a worker kept a failed run waiting on it at exit."""
+    def run(self) -> bool:
+        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save). The
+        data loader's workers are stopped on the way out, error or not: left running, a worker kept a failed run
+        waiting on it at exit."""
         self.writer.print(f"step {self.counters.step}: opening the training shards "
                           f"(data.num_workers={self.cfg.data.num_workers})")
         with StopRequest() as stop:
@@ -242,10 +272,11 @@ class Trainer:
                 loader = self.task.batches()
                 first = next(loader)
             with contextlib.closing(loader):
-                self._steps(stop, chain([first], loader))
+                stopped = self._steps(stop, chain([first], loader))
         self.writer.close()
+        return stopped
 
-    def _steps(self, stop: StopRequest, batches) -> None:
+    def _steps(self, stop: StopRequest, batches) -> bool:
         cfg, c, world = self.cfg, self.counters, self.world
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
@@ -271,21 +302,44 @@ class Trainer:
             if validating or saving:
                 self.throughput.restart()
             if stopping:
-                self.writer.print(f"stopped by {stop.signal_name or 'a signal on another rank'} at step {c.step}; "
-                                  "relaunch the same command to resume")
-                break
+                self.writer.print(f"stopped by {stop.reason or 'a signal on another rank'} at step {c.step}; "
+                                  f"relaunch the same command to resume (exit code {PREEMPTED})")
+                return True
+        return False
 
 
-def train(cfg: DictConfig) -> None:
-    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint."""
+def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:
+    """What a resume on another layout of ranks changed, one line each: the resharding, the global batch."""
+    lines, written_by, sp_before = [], resumed["written_by"], resumed.get("sequence_parallel", 1)
+    if written_by != now["world_size"] or sp_before != now["sequence_parallel"]:
+        if resumed["resharded_s"] is not None:
+            how = ("optimizer states resharded through DeepSpeed's universal checkpoint "
+                   f"({resumed['resharded_s']:.1f} s)")
+        elif written_by != now["world_size"]:
+            how = "the checkpoint holds whole states (no ZeRO partitions), loaded as they are"
+        else:
+            how = "the ranks' partitions are unchanged"
+        lines.append(f"elastic resume: written by {written_by} rank(s) (sequence_parallel {sp_before}), now "
+                     f"{now['world_size']} (sequence_parallel {now['sequence_parallel']}); {how}")
+    before = resumed.get("rows_per_step")
+    if before is not None and before != now["rows_per_step"]:
+        lines.append(f"the global batch changes from {before} to {now['rows_per_step']} rows a step "
+                     f"(micro_batch_size × grad_accum_steps × {now['replicas']} data-parallel replicas): the data "
+                     "stream continues where it stopped, and the losses are no longer an uninterrupted run's")
+    return lines
+
+
+def train(cfg: DictConfig) -> bool:
+    """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint; return
+    whether a stop signal ended it early (saved: ``launch/pretrain.py`` exits with ``PREEMPTED``)."""
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.resume()
-        trainer.run()
+        return trainer.run()
     except Exception as err:
-        # A dead rank shows here as a failed collective, or as the launcher's SIGTERM to this rank's loader worker
-        # (DeepSpeed's launcher terminates every process it started): either way, its death is the news.
+        # A dead rank shows here as a failed collective (the launcher's SIGTERM to this rank and its loader workers
+        # is a stop request, and ignored by the workers): its death is the news.
         if trainer is None or trainer.world.world_size == 1:
             raise
         gone = gone_ranks(trainer.world, wait_s=3.0 if lost_a_rank(err) else 0.0)

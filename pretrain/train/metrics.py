@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_path
+
 # Dense bf16 tensor-core peak FLOP/s by device-name fragment (vendor specs).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
@@ -28,18 +30,28 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, enabled: bool):
+    """``resume_step``: the step a run resumes from; what an earlier launch logged after it (up to its stop) is
+    dropped, from metrics.jsonl and, with tensorboard's ``purge_step``, from the event files, so each step is
+    written once however often the run resumes."""
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a")
+        path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            with atomic_path(path) as tmp:
+                tmp.write_text("".join(kept))
+        purge = None if resume_step is None else resume_step + 1
+        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
+        self.jsonl = open(path, "a")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        """Write ``values`` (keys like ``train/loss``) at ``step``; on resume a step logged twice keeps both lines,
-        and the later one is the resumed run's."""
+        """Write ``values`` (keys like ``train/loss``) at ``step``."""
         if not self.enabled:
             return
         for key, value in values.items():

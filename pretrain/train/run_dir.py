@@ -5,8 +5,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretrain.config import ConfigError, save_config
 
-# Keys a relaunch may change without changing the model, the data stream or the optimizer's trajectory.
-MAY_CHANGE = ("run.dir", "train.max_steps", "data.num_workers", "data.verify_shards", "log.", "checkpoint.")
+# Keys a relaunch may change (docs/CONTRACTS.md#resuming: the table, and what each one does on resume).
+MAY_CHANGE = ("run.dir", "train.max_steps", "data.num_workers", "data.verify_shards", "log.", "checkpoint.",
+              "train.micro_batch_size", "train.grad_accum_steps", "parallel.sequence_parallel",  # elastic resume
+              "data.skip_corrupt", "train.max_nonfinite_steps", "deepspeed.activation_checkpointing",
+              "data.train_shards", "data.val_shards")  # moved shards: the loader checks their manifests' sha256
 
 
 def _flat(cfg: DictConfig) -> dict[str, object]:

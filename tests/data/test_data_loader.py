@@ -1,5 +1,8 @@
-"""TokenLoader: every token once per epoch across ranks × workers, document-aware positions, exact resume."""
+"""TokenLoader: every token once per epoch across replicas × workers, one stream of rows however many replicas
+share it, document-aware positions, exact resume (also on another number of replicas)."""
+import json
 import pickle
+import shutil
 from collections import Counter
 from itertools import islice
 
@@ -7,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.data import ShardError, TokenLoader, make_text_shards, read_documents
+from pretrain.data import TokenLoader, make_text_shards, read_documents
 
 
 def take(loader, n):
@@ -31,7 +34,7 @@ def test_text_to_batches_every_token_once_per_epoch_2_ranks_2_workers(corpus, to
     paths, texts = corpus
     make_text_shards(paths, tokenizer.path, str(tmp_path / "shards"), docs_per_shard=40)
     all_docs = [tuple(d.tokens) for d in read_documents(str(tmp_path / "shards"))]
-    seen = []
+    shares = []
     for rank in range(2):
         loader = TokenLoader(str(tmp_path / "shards"), seq_len=64, batch_size=4, rank=rank, world_size=2,
                              num_workers=2, shuffle_buffer=50, seed=3, tokenizer_sha256=tokenizer.sha256)
@@ -41,13 +44,15 @@ def test_text_to_batches_every_token_once_per_epoch_2_ranks_2_workers(corpus, to
             batches.append(batch)
             if loader.epoch == 1:
                 break
-        assert_rows_chain(batches)
-        stream = input_stream(batches)
-        ends = np.flatnonzero(stream == tokenizer.eos_id)
-        docs = [tuple(d) for d in np.split(stream, ends + 1)]
-        rank_docs = sum(1 for url in loader.epoch_shards(0) for _ in read_documents(url))
-        assert rank_docs > 0 and len(docs) > rank_docs  # the stream went past the end of epoch 0
-        seen += docs[:rank_docs]
+        shares.append(batches)
+    assert len(shares[0]) == len(shares[1])  # the replicas roll over in the same round
+    batches = [batch for pair in zip(*shares) for batch in pair]  # the rounds, in stream order
+    assert_rows_chain(batches)
+    stream = input_stream(batches)
+    ends = np.flatnonzero(stream == tokenizer.eos_id)
+    seen = [tuple(d) for d in np.split(stream, ends + 1)]
+    assert len(seen) > len(all_docs)  # the stream went past the end of epoch 0
+    seen = seen[:len(all_docs)]
     assert Counter(seen) == Counter(all_docs)
     assert sorted(tokenizer.decode(d[:-1]) for d in seen) == sorted(texts)
 
@@ -117,25 +122,45 @@ def test_resume_continues_exactly_with_any_number_of_workers(numbered_shards, wo
 
 def test_state_of_another_stream_is_refused(numbered_shards):
     directory, _ = numbered_shards
-    state = TokenLoader(directory, seq_len=8, batch_size=2, rank=0, world_size=2).state_dict()
-    with pytest.raises(ValueError, match="'world_size'"):
+    state = TokenLoader(directory, seq_len=8, batch_size=2, seed=1).state_dict()
+    with pytest.raises(ValueError, match="'seed' is 1"):
         TokenLoader(directory, seq_len=8, batch_size=2).load_state_dict(state)
-    del state["seed"]
-    with pytest.raises(ValueError, match="'seed'"):
-        TokenLoader(directory, seq_len=8, batch_size=2, rank=0, world_size=2).load_state_dict(state)
+    written_before = {**TokenLoader(directory, seq_len=8, batch_size=2).state_dict(), "rank": 1, "world_size": 2}
+    with pytest.raises(ValueError, match="rank 1's of 2, written before the ranks shared one stream"):
+        TokenLoader(directory, seq_len=8, batch_size=2).load_state_dict(written_before)
+    TokenLoader(directory, seq_len=8, batch_size=2).load_state_dict({**written_before, "rank": 0, "world_size": 1})
 
 
-def test_uneven_ranks_yield_forever_and_too_few_shards_are_refused(numbered_shards):
-    directory, docs = numbered_shards
-    rank_tokens = []
-    for rank in range(4):  # 13 shards over 4 ranks: one rank has 4, the others 3
-        loader = TokenLoader(directory, seq_len=8, batch_size=2, rank=rank, world_size=4, shuffle_buffer=5)
-        batches = take(loader, 200)  # 3200 tokens, several epochs of each rank's share
-        assert len(batches) == 200 and loader.epoch >= 2
-        rank_tokens.append(sum(len(d.tokens) for url in loader.epoch_shards(0) for d in read_documents(url)))
-    assert sum(rank_tokens) == sum(len(d) for d in docs)
-    with pytest.raises(ShardError, match="fewer than world_size=14"):
-        TokenLoader(directory, seq_len=8, batch_size=2, rank=0, world_size=14)
+@pytest.mark.parametrize("replicas", [2, 3, 14])  # 14: more replicas than the 13 shards
+def test_replicas_share_one_stream_of_batches(numbered_shards, replicas):
+    """Replica r's k-th batch is one replica's batch k·R + r: a global step's rows do not depend on R."""
+    directory, _ = numbered_shards
+    settings = dict(seq_len=8, batch_size=2, shuffle_buffer=5, seed=2)
+    alone = take(TokenLoader(directory, **settings), 6 * replicas)
+    for rank in range(replicas):
+        share = take(TokenLoader(directory, rank=rank, world_size=replicas, num_workers=rank % 2, **settings), 6)
+        for k, batch in enumerate(share):
+            assert torch.equal(batch["input_ids"], alone[k * replicas + rank]["input_ids"]), (rank, k)
+
+
+@pytest.mark.parametrize("before,after,stop", [(2, 1, 7), (1, 3, 12), (4, 2, 5)])
+def test_resume_on_another_number_of_replicas_continues_the_stream(numbered_shards, before, after, stop):
+    """Stopped after ``stop`` rounds of ``before`` replicas, resumed on ``after``: the rounds go on from the token
+    where they stopped, with the same batches as an uninterrupted single replica (the round sizes divide)."""
+    directory, _ = numbered_shards
+    settings = dict(seq_len=8, batch_size=2, shuffle_buffer=5, seed=2)
+    alone = take(TokenLoader(directory, **settings), stop * before + 4 * after)
+    states = []
+    for rank in range(before):
+        loader = TokenLoader(directory, rank=rank, world_size=before, **settings)
+        take(loader, stop)
+        states.append(loader.state_dict())
+    assert all(state == states[0] for state in states)  # at a round's end every replica holds the same state
+    for rank in range(after):
+        resumed = TokenLoader(directory, rank=rank, world_size=after, num_workers=1, **settings)
+        resumed.load_state_dict(states[0])
+        for k, batch in enumerate(take(resumed, 4)):
+            assert torch.equal(batch["input_ids"], alone[stop * before + k * after + rank]["input_ids"]), (rank, k)
 
 
 @pytest.mark.parametrize("key,value", [("seq_len", 0), ("batch_size", -1), ("rank", 2), ("epochs", 0)])
@@ -160,3 +185,17 @@ def test_resume_of_a_finite_stream_ends_where_the_uninterrupted_one_does(numbere
     got = head + list(resumed)
     assert len(got) == len(reference) and resumed.epoch == 2
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(got, reference))
+
+
+def test_moved_shards_resume_and_other_contents_are_refused(numbered_shards, tmp_path):
+    """The state names the shards by their names and their manifests' sha256, not their directory."""
+    directory, _ = numbered_shards
+    state = TokenLoader(directory, seq_len=8, batch_size=2).state_dict()
+    moved = tmp_path / "moved"
+    shutil.copytree(directory, moved)
+    TokenLoader(str(moved), seq_len=8, batch_size=2).load_state_dict(state)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["files"][3]["sha256"] = "0" * 64
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="'shards_sha256'"):
+        TokenLoader(str(moved), seq_len=8, batch_size=2).load_state_dict(state)

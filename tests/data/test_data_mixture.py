@@ -1,4 +1,5 @@
-"""MixtureLoader: documents drawn from several sources by weight, deterministic per rank and seed, resumed exactly."""
+"""MixtureLoader: documents of several sources shared out by weight, by tokens or by documents, deterministic per seed,
+shared by the replicas, resumed exactly."""
 import pickle
 from itertools import islice
 
@@ -27,25 +28,63 @@ def sources(numbered_shards, tmp_path):
     return directory, str(small)
 
 
-def mixture(sources, weights=(3.0, 1.0), num_workers=0, **settings):
+def mixture(sources, weights=(3.0, 1.0), num_workers=0, by="tokens", **settings):
     settings = dict(dict(seq_len=8, batch_size=3, rank=1, world_size=2, shuffle_buffer=20, seed=7), **settings)
     return MixtureLoader([(TokenLoader(pattern, **settings), w) for pattern, w in zip(sources, weights)],
-                         num_workers=num_workers)
+                         num_workers=num_workers, by=by)
+
+
+def shards_of(directory, docs):
+    directory.mkdir()
+    writer = ShardWriter(str(directory), samples_per_shard=20)
+    for i, tokens in enumerate(docs):
+        members = {"tokens.u32": tokens.astype("<u4").tobytes(), "json": b'{"num_bytes":1}'}
+        writer.add(f"{i:010d}", members, tokens=len(tokens), bytes=len(tokens))
+    files = writer.close()
+    write_manifest(str(directory), {"tokenizer_sha256": "0" * 64, "files": files, "shards": len(files)})
+    return str(directory)
+
+
+@pytest.fixture
+def short_and_long(tmp_path):
+    """Two sources whose documents' lengths differ twentyfold: 5–15 tokens (ids < OFFSET) and 150–250 (>= OFFSET)."""
+    rng = np.random.default_rng(3)
+    short = [rng.integers(4, 1000, size=rng.integers(5, 16)) for _ in range(200)]
+    long = [OFFSET + rng.integers(4, 1000, size=rng.integers(150, 251)) for _ in range(40)]
+    return shards_of(tmp_path / "short", short), shards_of(tmp_path / "long", long)
+
+
+def test_a_3_to_1_mixture_by_tokens_gives_75_percent_of_the_tokens_whatever_the_documents_lengths(short_and_long):
+    """The heavy source has documents twenty times shorter: by tokens it still gets 3/4 of the tokens (within 2 %
+    over a few hundred documents); by documents (the option) 3/4 of the documents, and a fraction of the tokens."""
+    settings = dict(seq_len=64, batch_size=4, world_size=1, rank=0)
+    by_tokens = mixture(short_and_long, **settings)
+    tokens = tokens_of(islice(by_tokens, 40))
+    (docs0, tokens0), (docs1, tokens1) = by_tokens.source_counts()
+    assert tokens0 + tokens1 == len(tokens) and tokens1 == int((tokens >= OFFSET).sum())
+    assert docs0 + docs1 > 300
+    assert abs(tokens0 / len(tokens) - 0.75) < 0.02, tokens0 / len(tokens)
+
+    by_documents = mixture(short_and_long, by="documents", **settings)
+    list(islice(by_documents, 40))
+    (docs0, tokens0), (docs1, tokens1) = by_documents.source_counts()
+    assert abs(docs0 / (docs0 + docs1) - 0.75) < 0.1 and tokens0 / (tokens0 + tokens1) < 0.25
 
 
 def tokens_of(batches) -> np.ndarray:
     return np.concatenate([b["input_ids"].reshape(-1).numpy() for b in batches])
 
 
+@pytest.mark.parametrize("by", ["tokens", "documents"])
 @pytest.mark.parametrize("workers_before,workers_after,stop", [(0, 2, 5), (2, 1, 17), (1, 0, 31)])
-def test_mixture_resumes_exactly_with_any_number_of_workers(sources, workers_before, workers_after, stop):
-    reference_loader = mixture(sources)
+def test_mixture_resumes_exactly_with_any_number_of_workers(sources, workers_before, workers_after, stop, by):
+    reference_loader = mixture(sources, by=by)
     reference = list(islice(reference_loader, 60))
     assert reference_loader.state_dict()["sources"][1][0] >= 1  # the resumed stretch crosses its epoch boundary
-    first = mixture(sources, num_workers=workers_before)
+    first = mixture(sources, num_workers=workers_before, by=by)
     head = list(islice(first, stop))
     state = pickle.loads(pickle.dumps(first.state_dict()))
-    resumed = mixture(sources, num_workers=workers_after)
+    resumed = mixture(sources, num_workers=workers_after, by=by)
     resumed.load_state_dict(state)
     tail = list(islice(resumed, 60 - stop))
     for got, want in zip(head + tail, reference, strict=True):
@@ -56,7 +95,7 @@ def test_mixture_resumes_exactly_with_any_number_of_workers(sources, workers_bef
 
 
 def test_documents_are_drawn_by_weight_and_counted_per_source(sources):
-    loader = mixture(sources, seq_len=64, batch_size=4, world_size=1, rank=0)
+    loader = mixture(sources, seq_len=64, batch_size=4, world_size=1, rank=0, by="documents")
     tokens = tokens_of(islice(loader, 50))
     (docs0, tokens0), (docs1, tokens1) = loader.source_counts()
     assert tokens0 + tokens1 == len(tokens) == 50 * 4 * 64  # every token an input once, counted once
@@ -64,13 +103,14 @@ def test_documents_are_drawn_by_weight_and_counted_per_source(sources):
     assert 0.19 < docs1 / (docs0 + docs1) < 0.31  # weight 1 of 4, over ~400 documents
 
 
-def test_draws_depend_on_rank_and_seed_only(sources):
+def test_draws_depend_on_the_seed_only_and_replicas_share_them(sources):
     def first_tokens(**settings):
         return tokens_of(islice(mixture(sources, **settings), 10))
 
     same = first_tokens()
     assert np.array_equal(same, first_tokens(num_workers=2))
-    assert not np.array_equal(same, first_tokens(rank=0))
+    alone = list(islice(mixture(sources, rank=0, world_size=1), 20))
+    assert np.array_equal(same, tokens_of(alone[1::2]))  # replica 1 of 2: the odd batches of the one stream
     assert not np.array_equal(same, first_tokens(seed=8))
     assert not np.array_equal(same, first_tokens(weights=(1.0, 3.0)))
 
@@ -84,3 +124,7 @@ def test_bad_sources_and_foreign_states_are_refused(sources):
     state = mixture(sources).state_dict()
     with pytest.raises(ValueError, match="'weights'"):
         mixture(sources, weights=(1.0, 1.0)).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks key 'by'"):  # by tokens, from a state drawn by documents
+        mixture(sources).load_state_dict(mixture(sources, by="documents").state_dict())
+    with pytest.raises(ValueError, match=r"by='weight': expected one of tokens, documents"):
+        mixture(sources, by="weight")

@@ -2,6 +2,7 @@
 (the parallel forward that also returns a state) hands ``step`` the state token-by-token decoding would have."""
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 from pretrain.attention import REGISTRY
 
@@ -22,6 +23,11 @@ CAUSAL_CASES = [
     ("aft_local", {"window": 3, "chunk_size": 4}),
     ("aft_local", {"window": 6, "chunk_size": 4}),
     ("aft_simple", {"chunk_size": 4}),
+    ("retnet", {"chunk_size": 4}),
+    ("retnet", {"chunk_size": 4, "short_conv": 0, "rope": False, "decay": "lightning", "layer_index": 2,
+                "num_layers": 4}),
+    ("mamba2", {"chunk_size": 4, "state_size": 8}),
+    ("mamba2", {"chunk_size": 4, "state_size": 8, "conv_size": 1, "expand": 1}),
     # short convolutions: their last K − 1 inputs are part of the state (K = 4 reaches past a 1- or 2-token prompt)
     ("linear", {"short_conv": 4}),
     ("cosine", {"short_conv": 3}),
@@ -76,3 +82,16 @@ def test_aft_full_refuses_to_decode_past_its_bias(make_mixer):
         _, state = mixer.step(x, state)
     with pytest.raises(ValueError, match="max_seq_len=3"):
         mixer.step(x, state)
+
+
+@pytest.mark.parametrize("name,options", CAUSAL_CASES, ids=lambda c: str(c))
+def test_a_state_holds_each_row_at_its_first_dimension(make_mixer, name, options):
+    """The one thing outside code may know of a decoding state (transformers' beam search picks rows with it,
+    ``pretrain.hf``): every tensor in it has the batch first, so a row's state is the batch's state at that row."""
+    mixer = make_mixer(name, causal=True, **options)
+    x = torch.randn(3, 9, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _, batch_state = mixer.prefill(x)
+    for row in range(3):
+        _, row_state = mixer.prefill(x[row:row + 1])
+        picked = tree_map(lambda t, r=row: t[r:r + 1] if isinstance(t, torch.Tensor) else t, batch_state)
+        torch.testing.assert_close(picked, row_state, rtol=1e-10, atol=1e-10)

@@ -109,6 +109,37 @@ def test_aft_empty_state_is_the_identity_and_its_gradients_are_finite():
     assert torch.isfinite(token_k).all() and torch.isfinite(k.grad).all()
 
 
+@pytest.mark.parametrize("normalize", ["none", "divisive"])
+def test_decayed_state_is_the_ops_final_state_and_folds(normalize):
+    """The state of a whole run (and its total log-decay) equals the op's final state from zero, and the fold of
+    its pieces' states in order equals it, whether the pieces' decay is deep or shallow."""
+    from pretrain.ops.decayed_linear_attention import decayed_linear_attention
+    from pretrain.ops.decayed_linear_attention.state import combine_decayed_states, decayed_state_of_tokens
+    q, k, v = inputs()
+    k = k.abs()
+    g = -3 * torch.rand(B, T, H, dtype=torch.float64)
+    starts = [6, 0]
+    mask = tail_mask(starts)
+    state, log_decay = decayed_state_of_tokens(k, v, g, mask, normalize)
+    for b, start in enumerate(starts):
+        _, final = decayed_linear_attention(q[b:b + 1, start:], k[b:b + 1, start:], v[b:b + 1, start:],
+                                            g[b:b + 1, start:], normalize=normalize, output_final_state=True,
+                                            impl="naive")
+        for got, want in zip(state, final):
+            if want is not None:
+                torch.testing.assert_close(got[b], want[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(log_decay[b], g[b, start:].sum(0), rtol=1e-12, atol=1e-12)
+    cuts = [0, 1, 9, 17, T]
+    pieces = [decayed_state_of_tokens(k[:, a:b], v[:, a:b], g[:, a:b], mask[:, a:b], normalize)
+              for a, b in zip(cuts, cuts[1:])]
+    folded = pieces[0]
+    for piece in pieces[1:]:
+        folded = combine_decayed_states(folded, piece)
+    for got, want in zip([*folded[0], folded[1]], [*state, log_decay]):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_delta_rule_transition_maps_the_entering_state_and_combines():
     """A run's (S_run, M) gives the op's final state from any entering state, M S_0 + S_run; split runs combine to
     the whole; masked-out tokens (before the tail) change nothing."""

@@ -2,9 +2,9 @@
 torchrun starts (each rank's slice). fp64 throughout, so forms that are exact agree to round-off.
 
 Rows of T = 48 tokens hold documents that start, end and straddle the slice boundaries of N = 2, 3 and 4 (slices
-of 24, 16 and 12 tokens: not multiples of the chunk of 16), a one-token document, and a document covering whole
-middle slices (the fold passes states through ranks where no document begins), and documents that begin on a slice's
-second token (inside a short convolution's reach into the slice before).
+of 24, 16 and 12 tokens: not multiples of the chunk of 16), a one-token document, a document covering whole
+middle slices (the fold passes states through ranks where no document begins), and documents that begin one token
+into a slice (a short convolution's first outputs there reach back into the previous slice only partly).
 """
 from dataclasses import dataclass, field
 
@@ -14,7 +14,7 @@ from pretrain.attention import build_mixer
 from pretrain.ops import cu_seqlens_from_position_ids
 from pretrain.parallel import SequenceShard, shard_rows
 
-DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48], [13, 20, 15]]
+DOCUMENTS = [[10, 14, 24], [30, 1, 17], [5, 40, 3], [48], [13, 12, 12, 11]]
 SEQ_LEN, DIM, HEADS = 48, 16, 4
 
 
@@ -34,6 +34,10 @@ CASES = {
     "efficient": Case("efficient", {"chunk_size": 16}),
     "aft_simple": Case("aft_simple", {"chunk_size": 16}),
     "aft_local": Case("aft_local", {"chunk_size": 16, "window": 5}),
+    "retnet": Case("retnet", {"chunk_size": 16}),
+    "retnet_lightning_no_conv": Case("retnet", {"chunk_size": 16, "decay": "lightning", "layer_index": 1,
+                                                "num_layers": 3, "short_conv": 0}),
+    "mamba2": Case("mamba2", {"chunk_size": 16, "state_size": 8}),
     # short convolutions: the K − 1 inputs before a slice come in the states' packet (one variant per mixer; at
     # N = 4 the 12-token slices just hold InLine's 3 + 3 and AFT-local's 4 + 3 halo tokens)
     "linear_short_conv": Case("linear", {"chunk_size": 16, "short_conv": 4}),
@@ -51,7 +55,9 @@ CASES = {
 # A whole LM whose layers run every sequence-parallel mixer in turn, scored by its own fused loss: the embedding,
 # norms, head and loss on a slice, and gradients that cross ranks through every kind of exchange (cosine's with its
 # short convolutions' halo).
-MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "gated_deltanet"]
+MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "retnet",
+                "mamba2",
+                "gated_deltanet"]
 
 
 def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
@@ -67,6 +73,8 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              "model.mixer_options.efficient.chunk_size=16", "model.mixer_options.aft_local.window=5",
                              "model.mixer_options.aft_local.chunk_size=16",
                              "model.mixer_options.aft_simple.chunk_size=16", "model.mixer_options.cosine.short_conv=4",
+                             "model.mixer_options.retnet.chunk_size=16", "model.mixer_options.mamba2.chunk_size=16",
+                             "model.mixer_options.mamba2.state_size=8",
                              "model.mixer_options.gated_deltanet.chunk_size=16"])
     torch.manual_seed(0)
     model = build_model(cfg).double()

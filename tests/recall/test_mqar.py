@@ -1,11 +1,12 @@
 """MQAR rows (pretrain.data.mqar) and their scoring (pretrain.tasks.recall): answers checked by brute force, the
-stream fixed by seed and rank and resumed exactly, a copying model at 100 % and a random one at chance."""
+stream fixed by seed, shared by the replicas and resumed exactly (on any number of them), a copying model at 100 %
+and a random one at chance."""
 import numpy as np
 import pytest
 import torch
 
 from pretrain.config import ConfigError
-from pretrain.data.mqar import IGNORE, MQARLoader, MQARSettingError, check_mqar, mqar_rows
+from pretrain.data.mqar import IGNORE, MQARLoader, MQARSettingError, check_mixture, check_mqar, mqar_rows
 from pretrain.tasks.config_checks import load_run_config
 from pretrain.tasks.recall import recall_scores
 
@@ -49,7 +50,7 @@ def test_a_small_query_power_asks_soon_after_the_pairs():
     assert 0.22 < share_in_first_quarter(1.0) < 0.28  # power 1: evenly spread
 
 
-def test_the_stream_is_fixed_by_seed_and_rank_and_resumes_exactly():
+def test_the_stream_is_fixed_by_seed_shared_by_replicas_and_resumes_exactly():
     def loader(**kw):
         return MQARLoader(**{**dict(vocab_size=128, seq_len=64, num_pairs=8, batch_size=4, rank=1, world_size=2,
                                     seed=7), **kw})
@@ -68,7 +69,12 @@ def test_the_stream_is_fixed_by_seed_and_rank_and_resumes_exactly():
         for key in ("input_ids", "labels", "position_ids"):
             assert torch.equal(got[key], expected[key])
     assert torch.equal(next(iter(loader()))["input_ids"], seen[0]["input_ids"])  # same seed and rank: same rows
-    assert not torch.equal(next(iter(loader(rank=0)))["input_ids"], seen[0]["input_ids"])
+    alone = loader(rank=0, world_size=1)  # the one stream; replica 1 of 2 takes its batches 1, 3, 5, ...
+    assert all(torch.equal(alone.batch(2 * k + 1)["input_ids"], seen[k]["input_ids"]) for k in range(3))
+    on_three = [loader(rank=r, world_size=3) for r in range(3)]  # resumed on 3 replicas: batches 6, 7, 8 of it
+    for r, replica in enumerate(on_three):
+        replica.load_state_dict(state)
+        assert torch.equal(next(iter(replica))["input_ids"], alone.batch(6 + r)["input_ids"])
     assert not torch.equal(next(iter(loader(seed=8)))["input_ids"], seen[0]["input_ids"])
     assert not torch.equal(loader(split="val").batch(0)["input_ids"], seen[0]["input_ids"])
     assert seen[0]["position_ids"][2].tolist() == list(range(64))  # one sequence per row
@@ -77,6 +83,8 @@ def test_the_stream_is_fixed_by_seed_and_rank_and_resumes_exactly():
         loader(seed=8).load_state_dict(state)
     with pytest.raises(ValueError, match="'num_pairs'"):
         loader(num_pairs=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank 1's of 2, written before the ranks shared one stream"):
+        loader().load_state_dict({**state, "rank": 1, "world_size": 2})
 
 
 def test_impossible_settings_name_the_key():
@@ -94,6 +102,61 @@ def test_impossible_settings_name_the_key():
         load_run_config("configs/recall/softmax.yaml", ["parallel.sequence_parallel=2"])
     cfg = load_run_config("configs/recall/softmax.yaml", [])
     assert cfg.model.vocab_size == cfg.recall.vocab_size and cfg.data.tokenizer is None
+
+
+ZOOLOGY_MIXTURE = [(64, 4), (128, 8), (256, 16)]
+
+
+def test_a_mixture_packs_whole_examples_of_one_setting_per_row():
+    loader = MQARLoader(vocab_size=8192, seq_len=256, batch_size=48, mixture=ZOOLOGY_MIXTURE, seed=2)
+    batch = loader.batch(0)
+    inputs, labels, positions = (batch[key].numpy() for key in ("input_ids", "labels", "position_ids"))
+    assert inputs.shape == labels.shape == positions.shape == (48, 256)
+    seen = set()
+    for row, target, position in zip(inputs, labels, positions):
+        length = int(np.argmax(position[1:] == 0) + 1) if (position[1:] == 0).any() else 256
+        setting = next(s for s in ZOOLOGY_MIXTURE if s[0] == length)
+        seen.add(setting)
+        assert (position == np.tile(np.arange(length), 256 // length)).all()  # each example its own document
+        for start in range(0, 256, length):  # every answer is the value stored with its key, inside its example
+            example, answers = row[start:start + length], target[start:start + length]
+            queried = np.nonzero(answers != IGNORE)[0]
+            assert len(queried) == setting[1]
+            for at in queried:
+                assert answers[at] == brute_force_answer(example, at, setting[1])
+    assert seen == set(ZOOLOGY_MIXTURE)  # 48 rows draw every setting
+    again = MQARLoader(vocab_size=8192, seq_len=256, batch_size=48, mixture=ZOOLOGY_MIXTURE, seed=2).batch(0)
+    assert all(torch.equal(again[key], batch[key]) for key in batch)
+
+
+def test_a_mixture_stream_resumes_and_refuses_another_mixture():
+    first = MQARLoader(vocab_size=64, seq_len=32, batch_size=4, mixture=[(16, 2), (32, 4)], seed=1)
+    stream = iter(first)
+    next(stream)
+    state = first.state_dict()
+    expected = next(stream)
+    resumed = MQARLoader(vocab_size=64, seq_len=32, batch_size=4, mixture=[(16, 2), (32, 4)], seed=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(next(iter(resumed))["input_ids"], expected["input_ids"])
+    with pytest.raises(ValueError, match="'mixture'"):
+        MQARLoader(vocab_size=64, seq_len=32, batch_size=4, mixture=[(32, 4)], seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="lacks key 'num_pairs'"):
+        MQARLoader(vocab_size=64, seq_len=32, batch_size=4, num_pairs=4, seed=1).load_state_dict(state)
+
+
+def test_impossible_mixtures_name_the_entry():
+    with pytest.raises(MQARSettingError, match=r"^mixture\[1\].seq_len: 96 does not divide the rows of 256"):
+        check_mixture(vocab_size=8192, seq_len=256, mixture=[(64, 4), (96, 8)], query_power=0.01)
+    with pytest.raises(MQARSettingError, match=r"^mixture\[0\].seq_len: 64 holds the 32 pairs"):
+        check_mixture(vocab_size=8192, seq_len=256, mixture=[(64, 32)], query_power=0.01)
+    with pytest.raises(ConfigError, match=r"^recall.mixture\[1\].seq_len: 48 does not divide"):
+        load_run_config("configs/recall/softmax.yaml",
+                        ["recall.mixture=[{seq_len: 32, num_pairs: 4}, {seq_len: 48, num_pairs: 4}]"])
+    with pytest.raises(ConfigError, match=r"^recall.mixture\[0\]: expected \{seq_len: T, num_pairs: N\}"):
+        load_run_config("configs/recall/softmax.yaml", ["recall.mixture=[{seq_len: 32}]"])
+    with pytest.raises(ConfigError, match=r"^recall.vocab_size: 32 gives 15 keys"):
+        load_run_config("configs/recall/softmax.yaml", ["recall.vocab_size=32",
+                                                        "recall.mixture=[{seq_len: 64, num_pairs: 16}]"])
 
 
 class CopyingModel:

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from statistics import mean
 
 import pytest
 
@@ -41,7 +42,7 @@ def test_trains_scores_tabulates_plots_and_resumes(tmp_path):
     assert state["softmax"] == [2 * 2 * 32 * 16 * 4] * 2 + [2 * 2 * 64 * 16 * 4] * 2  # K and V per layer, fp32
     assert len(set(state["linear"])) == 1  # a fixed-size state at any length
     table = first.stdout.strip().splitlines()
-    assert table[0].startswith("| mixer | dim | state bytes") and len(table) == 2 + 2
+    assert table[0].startswith("| mixer | dim | lr | seeds | state bytes") and len(table) == 2 + 2
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     train_logs = {path: path.read_text() for path in out.glob("*/train.log")}
@@ -60,3 +61,30 @@ def test_a_bad_config_is_refused_before_any_run(tmp_path):
     assert result.returncode == 2
     assert "--configs configs/recall/softmax.yaml" in result.stderr and "train.seq_len" in result.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path):
+    """Zoology's protocol: every rate at the first seed, the other seeds at the best one; a mixture run scored at
+    --settings, its per-setting validation accuracy logged."""
+    out = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16",
+         "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4", "--rows", "8",
+         "--out", str(out), "--json", str(out / "rows.json"), *BUDGET, "recall.mixture=[{seq_len: 16, num_pairs: 2},"
+         " {seq_len: 32, num_pairs: 4}]"], cwd=REPO, capture_output=True, text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = json.loads((out / "rows.json").read_text())["rows"]
+    searched = {row["lr"]: row for row in rows if row["seed"] == 0}
+    assert sorted(searched) == [1e-4, 3e-3]
+    best = max(searched, key=lambda lr: mean(r["accuracy"] for r in searched[lr]["results"] if r["trained"]))
+    assert [(row["seed"], row["lr"], row["kept"]) for row in rows if row["seed"] == 1] == [(1, best, True)]
+    assert [row["kept"] for row in rows if row["seed"] == 0] == [lr == best for lr in searched]
+    for row in rows:
+        assert [(r["seq_len"], r["num_pairs"], r["trained"]) for r in row["results"]] == [
+            (16, 2, True), (32, 4, True), (64, 4, False)]
+    metrics = [json.loads(line) for line in next(out.glob("*_s1")).joinpath("metrics.jsonl").read_text().splitlines()]
+    logged = [m for m in metrics if "val/recall_accuracy" in m][-1]
+    assert {"val/recall_accuracy/T16_N2", "val/recall_accuracy/T32_N4"} <= set(logged)
+    table = result.stdout.strip().splitlines()
+    assert len(table) == 3 and f"| {best:g} | 2 |" in table[2]  # the kept rate, two seeds

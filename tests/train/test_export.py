@@ -121,6 +121,20 @@ def test_generate_from_the_exported_directory_equals_generate_from_the_run(run, 
     assert texts[0] == texts[1] and texts[0].startswith("the cat")
 
 
+def test_the_exported_directory_is_a_transformers_model(run, exported):
+    """What tools/export.py writes loads through transformers' Auto classes (pretrain.hf, issue 27): the model's
+    logits are load_pretrained's, and the tokenizer's ids the run's."""
+    transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+    from pretrain.data import Tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported(0))
+    ids = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, load_pretrained(exported(0))(ids))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported(0))
+    assert tokenizer("the cat sat").input_ids == Tokenizer(str(exported(0) / "tokenizer.model")).encode("the cat sat")
+
+
 def test_a_bad_or_missing_directory_is_one_line_naming_the_file(exported, tmp_path):
     missing = tmp_path / "absent"
     with pytest.raises(FileNotFoundError, match=f"{missing}: no such directory"):
@@ -196,6 +210,14 @@ def test_init_from_another_architecture_is_refused_naming_the_parameter_and_both
     assert message.startswith("config error: train.init_from: parameter embed.weight has shape [320, 64] in "
                               f"{run(0) / 'checkpoints' / TAG} but shape [320, 96] in this run's model"), message
     assert not (tmp_path / "wider" / "checkpoints" / "latest").exists()
+
+
+def test_init_from_a_deeper_model_names_the_parameter_the_source_lacks(run, lm_data, tmp_path):
+    result = launch(init_overrides(lm_data, tmp_path / "deeper", run(0), model__n_layers=3), check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"config error: train.init_from: parameter layers.2.mixer_norm.weight is absent in "
+        f"{run(0) / 'checkpoints' / TAG} but has shape [64] in this run's model"), result.stderr[-3000:]
 
 
 def test_init_from_a_missing_directory_is_one_line_naming_it(lm_data, tmp_path):

@@ -191,7 +191,7 @@ def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data,
     assert "Traceback" not in output, output[-4000:]
     error = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and corrupt.name in error[0], output[-4000:]
-    assert output.startswith("joining 1 rank; DeepSpeed loads its CPU comm op"), output[:2000]  # before anything else
+    assert output.startswith("joining 1 rank\n"), output[:2000]  # before anything else; the op is built already
     assert "step 0: opening the training shards (data.num_workers=1)" in output, output[-4000:]
     assert "built successfully" not in output and "Setting accelerator" not in output, output[:2000]
     assert max(read_metrics(run)) >= 4  # it failed mid-run, after steps and checkpoints

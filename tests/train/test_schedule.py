@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from pretrain.train.schedule import lr_at
+from pretrain.train.schedule import Plan, lr_at
 
 BASE = dict(lr=1.0, min_lr=0.1, warmup_steps=10, decay_steps=20, max_steps=100)
 
@@ -36,3 +36,28 @@ def test_constant_stays_at_lr():
 def test_unknown_schedule_names_the_key():
     with pytest.raises(ValueError, match="schedule.name"):
         lr_at(50, name="linear", **BASE)
+
+
+def test_a_changed_max_steps_replans_the_decay_from_the_resumed_step():
+    """Resumed at step 60 of 100 with max_steps 200: the LR goes on from where it was (no jump) down a half cosine
+    to min_lr at 200; a later resume with 200 follows that plan, one with 300 re-plans again from its step."""
+    old = Plan(name="cosine", **BASE)
+    saved = old.state()
+    plan = Plan(name="cosine", **{**BASE, "max_steps": 200})
+    said = plan.resume(saved, 60)
+    assert said.startswith("train.max_steps changed from 100 to 200: the decay re-planned from step 60's LR")
+    assert plan(60) == pytest.approx(old(60), rel=1e-12)  # no jump (steps before 60 are history)
+    for k in (60, 130, 199):
+        progress = (k - 60) / 140
+        assert plan(k) == pytest.approx(0.1 + 0.5 * (old(60) - 0.1) * (1 + math.cos(math.pi * progress)))
+    again = Plan(name="cosine", **{**BASE, "max_steps": 200})
+    assert again.resume(plan.state(), 130) is None and again(150) == plan(150)
+    further = Plan(name="cosine", **{**BASE, "max_steps": 300})
+    assert further.resume(plan.state(), 130) and further(130) == pytest.approx(plan(130), rel=1e-12)
+
+
+@pytest.mark.parametrize("name,step", [("wsd", 50), ("constant", 60), ("cosine", 5)])
+def test_max_steps_changed_where_the_lr_is_the_same_either_way_keeps_the_schedule(name, step):
+    plan = Plan(name=name, **{**BASE, "max_steps": 200})  # wsd before its decay, constant, or in warmup
+    assert "unchanged" in plan.resume(Plan(name=name, **BASE).state(), step)
+    assert plan.start is None and plan(150) == lr_at(150, name=name, **{**BASE, "max_steps": 200})

@@ -38,9 +38,11 @@ def test_offload_and_extra_keys_merge_deeply():
     assert deepspeed_config(cfg, world_size=1)["wall_clock_breakdown"] is True
 
 
-def test_relaunch_may_change_max_steps_logging_and_checkpointing_only():
+def test_relaunch_may_change_only_the_keys_of_the_resuming_table():
     saved = config(train__max_steps=100)
     assert changed_keys(saved, config(train__max_steps=500, log__every=3, checkpoint__keep_last=9)) == []
+    assert changed_keys(saved, config(train__grad_accum_steps=4, train__micro_batch_size=2, data__skip_corrupt=True,
+                                      parallel__sequence_parallel=2, data__train_shards="/moved/shard-*.tar")) == []
     assert changed_keys(saved, config(train__max_steps=100, model__dim=512, optim__lr=1.0)) == ["model.dim", "optim.lr"]
     assert changed_keys(saved, config(train__max_steps=100, model__mixer_options={"linear": {"eps": 1.0}})) == [
         "model.mixer_options.linear.eps"]
@@ -60,7 +62,22 @@ def test_prepare_run_dir_refuses_to_change_a_run_with_checkpoints(tmp_path):
     prepare_run_dir(run(train__seq_len=64, train__max_steps=7), is_main=True)
     saved = (tmp_path / "run" / "config.yaml").read_text()
     assert "max_steps: 7" in saved
-    with pytest.raises(ConfigError, match="data.train_shards") as error:
-        prepare_run_dir(run(train__seq_len=64, train__max_steps=7, data__train_shards="other.tar"), is_main=True)
-    assert error.value.key == "data.train_shards"
+    with pytest.raises(ConfigError, match="data.tokenizer") as error:
+        prepare_run_dir(run(train__seq_len=64, train__max_steps=7, data__tokenizer="other.model"), is_main=True)
+    assert error.value.key == "data.tokenizer"
     assert (tmp_path / "run" / "config.yaml").read_text() == saved
+
+
+def test_torch_extensions_are_built_per_virtual_environment_unless_the_user_says_where(tmp_path, monkeypatch):
+    """Environments sharing ~/.cache/torch_extensions rebuilt DeepSpeed's comm op for each other."""
+    import sys
+
+    from pretrain.distributed.process_group import use_extensions_dir
+
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
+    monkeypatch.setattr(sys, "base_prefix", "/usr")
+    (tmp_path / "venv").mkdir()
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert use_extensions_dir() == str(tmp_path / "venv" / "torch_extensions")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert use_extensions_dir() == str(tmp_path / "mine")

@@ -107,9 +107,9 @@ def test_sigterm_saves_and_relaunch_resumes_exactly(zero_run, lm_data, tmp_path)
     assert resumed[STEPS]["val/loss"] == reference[STEPS]["val/loss"]
 
 
-def test_a_relaunch_with_more_steps_follows_the_new_schedule_from_its_first_step(zero_run, lm_data, tmp_path):
-    """train.max_steps may change on relaunch; the learning rate of the first resumed step must come from the new
-    cosine schedule, not from the optimizer state the checkpoint restored (the old schedule's value)."""
+def test_a_relaunch_with_more_steps_replans_the_decay_from_where_it_was(zero_run, lm_data, tmp_path):
+    """train.max_steps may change on relaunch: the cosine decay goes on from the LR the resumed step had reached
+    down to min_lr at the new max_steps, without a jump, and the relaunch says so; a later relaunch keeps that plan."""
     import shutil
 
     from pretrain.train.schedule import lr_at
@@ -117,12 +117,20 @@ def test_a_relaunch_with_more_steps_follows_the_new_schedule_from_its_first_step
     run = tmp_path / "extended"
     shutil.copytree(zero_run(0), run)
     (run / "checkpoints" / "latest").write_text(checkpoint.tag_for(15))
-    launch([*run_overrides(lm_data, run, 0), f"train.max_steps={2 * STEPS}"], ranks=2)  # the later override wins
+    overrides = [*run_overrides(lm_data, run, 0), f"train.max_steps={2 * STEPS}"]  # the later override wins
+    out = launch(overrides, ranks=2).stdout
+    assert f"train.max_steps changed from {STEPS} to {2 * STEPS}: the decay re-planned from step 15's LR" in out
     logged = read_metrics(run)
     schedule = dict(lr=3e-3, min_lr=3e-4, name="cosine", warmup_steps=5, decay_steps=0)  # tiny_overrides' values
-    for step in (16, 17, 2 * STEPS):
-        assert logged[step]["train/lr"] == pytest.approx(lr_at(step - 1, max_steps=2 * STEPS, **schedule), rel=1e-6)
-    assert lr_at(15, max_steps=STEPS, **schedule) != pytest.approx(lr_at(15, max_steps=2 * STEPS, **schedule))
+    start = lr_at(15, max_steps=STEPS, **schedule)  # what the uninterrupted run logged at step 16
+    assert logged[16]["train/lr"] == pytest.approx(start, rel=1e-9)
+    for step in (17, 30, 2 * STEPS):  # a half cosine from (step index 15, start) to (2 * STEPS, min_lr)
+        progress = (step - 1 - 15) / (2 * STEPS - 15)
+        assert logged[step]["train/lr"] == pytest.approx(3e-4 + 0.5 * (start - 3e-4) * (1 + math.cos(math.pi *
+                                                                                                     progress)))
+    (run / "checkpoints" / "latest").write_text(checkpoint.tag_for(35))  # resumed again: the saved plan holds
+    launch([*overrides, f"train.max_steps={2 * STEPS}"], ranks=2)
+    assert read_metrics(run)[2 * STEPS]["train/lr"] == pytest.approx(logged[2 * STEPS]["train/lr"], rel=1e-12)
 
 
 @pytest.mark.parametrize("stage,ranks", [(0, 1), (3, 2)])

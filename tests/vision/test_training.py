@@ -100,6 +100,11 @@ def test_a_stopped_run_resumes_exactly(trained, image_data, tmp_path):
         assert [resumed[s][key] for s in range(1, STEPS + 1)] == [reference[s][key] for s in range(1, STEPS + 1)]
     assert resumed[STEPS]["val/top1"] == reference[STEPS]["val/top1"]
     assert resumed[STEPS]["val/loss"] == reference[STEPS]["val/loss"]
+    # the images are split among ranks by shard: another number of ranks is refused in one line (docs: Resuming)
+    refused = launch(overrides(image_data, run, train__max_steps=STEPS + 1), config=CONFIG, check=False)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert refused.stderr.strip().splitlines()[-1].startswith(f"error: cannot resume {run / 'checkpoints'}")
+    assert "'world_size' is 2, but this loader has 1" in refused.stderr
 
 
 def test_eval_cls_agrees_with_the_logged_validation_and_runs_at_another_resolution(trained, image_data):

@@ -23,7 +23,7 @@ rows of the C×C factors and W, U, Δ per token and head besides: 7× the inputs
 """
 import torch
 
-from ..linear_attention.chunk import BLOCK_ELEMENTS, _Chunks
+from ..linear_attention.chunk import BLOCK_ELEMENTS, Chunks
 from ..linear_attention.runs import gather_runs
 from ..precision import upcast
 
@@ -161,7 +161,7 @@ def _final_states(K, D, delta, states, initial, layout: "_Layout", lo: int, hi: 
     return entering * log_end.exp()[..., None] + torch.einsum("mlhk,mlhv->mhkv", k_rows * weights, d_rows)
 
 
-class _Layout(_Chunks):
+class _Layout(Chunks):
     """Linear attention's chunk layout of a packed stream, plus where documents begin inside chunks; blocks are
     bounded on every device (each is a unit of recomputation in backward)."""
 

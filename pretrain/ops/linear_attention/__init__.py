@@ -15,6 +15,7 @@ forward, a price worth paying only where the compiler needs it).
 """
 import torch
 
+from ..first_use import first_use_ok, sample_inputs
 from .chunk import linear_attention_chunk
 from .library import linear_attention_op
 from .naive import linear_attention_naive
@@ -45,18 +46,19 @@ def linear_attention(
     sequence can be processed in pieces and decoding can continue from a prefix.
     Returns ``o`` in the input dtype, or ``(o, final_state)`` with an fp32 state.
     """
-    _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl)
+    check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl)
     if torch.compiler.is_compiling():
         return linear_attention_op(q, k, v, causal=causal, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
                                    initial_state=initial_state, output_final_state=output_final_state,
                                    chunk_size=chunk_size, impl=impl)
     if cu_seqlens is not None:
-        _check_offsets(cu_seqlens, q.shape[1])
+        check_offsets(cu_seqlens, q.shape[1])
     if initial_state is not None:
         num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
     if impl == "auto":
-        impl = "triton" if q.is_cuda and q.dtype != torch.float64 and linear_attention_triton is not None else "chunk"
+        impl = "triton" if _triton_may_run(q) and _triton_trusted(q, v, causal, normalize, cu_seqlens, chunk_size) \
+            else "chunk"
     if impl == "triton" and linear_attention_triton is None:
         raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
     run = {"naive": linear_attention_naive, "chunk": linear_attention_chunk, "recurrent": linear_attention_recurrent,
@@ -65,7 +67,30 @@ def linear_attention(
                initial_state=initial_state, output_final_state=output_final_state, chunk_size=chunk_size)
 
 
-def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
+def _triton_may_run(q) -> bool:
+    """Whether ``auto`` may consider the Triton kernel at all: CUDA, a dtype it takes, the package installed."""
+    return q.is_cuda and q.dtype != torch.float64 and linear_attention_triton is not None
+
+
+def _triton_trusted(q, v, causal, normalize, cu_seqlens, chunk_size) -> bool:
+    """The kernel's first-use check (``ops/first_use.py``) for this device, dtype and request class: a few chunks
+    of two heads of the request's widths, with a document boundary inside a chunk when the request packs them."""
+    heads, dk, dv = min(q.shape[2], 2), q.shape[3], v.shape[3]
+    length = 2 * chunk_size + 5
+    packed = cu_seqlens is not None
+    key = ("linear_attention_triton", str(q.device), q.dtype, dk, dv, causal, normalize, packed, chunk_size)
+    inputs = sample_inputs([(1, length, heads, dk)] * 2 + [(1, length, heads, dv)], like=q, positive=(True, True))
+    cu = torch.tensor([0, chunk_size // 2 + 1, length], device=q.device) if packed else None
+
+    def run(impl):
+        return lambda q, k, v: linear_attention(q, k, v, causal=causal, normalize=normalize, cu_seqlens=cu,
+                                                chunk_size=chunk_size, impl=impl)
+
+    return first_use_ok(key, run("triton"), run("chunk"), inputs, kernel_name="the Triton linear-attention kernel",
+                        reference_name="the chunked form (impl='chunk')")
+
+
+def check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
     """What shapes, dtypes and options show (traceable: no tensor values read)."""
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS}; got {normalize!r}")
@@ -88,7 +113,7 @@ def _check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
                              f"{tuple(cu_seqlens.shape)}")
 
 
-def _check_offsets(cu_seqlens, length):
+def check_offsets(cu_seqlens, length):
     """What only the values show (under ``torch.compile`` the op's eager body checks them)."""
     offsets = cu_seqlens.tolist()
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or any(

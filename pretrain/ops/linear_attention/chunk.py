@@ -37,7 +37,7 @@ def chunked_core(q, k, v, initial, cu_seqlens, output_final, *, chunk_size):
     else:
         cu = cu_seqlens.to(device=q.device, dtype=torch.long)
     q, k, v = (x.reshape(total, heads, x.shape[-1]) for x in (q, k, v))
-    chunks = _Chunks(cu, total, chunk_size)
+    chunks = Chunks(cu, total, chunk_size)
     padded_initial = None if initial is None else torch.cat([initial, torch.zeros_like(initial[:1])])  # row N: padding
     o, at_last_chunk = _ChunkScan.apply(q, k, v, padded_initial, chunks)
 
@@ -75,7 +75,7 @@ def global_core(q, k, v, initial, cu_seqlens, output_final):
 BLOCK_ELEMENTS = 1 << 20
 
 
-class _Chunks:
+class Chunks:
     """Where the documents of a packed stream fall in chunks of C tokens (the tail padding is a document of its
     own; the state entering after the last chunk is the initial states' padding row N)."""
 
@@ -118,7 +118,7 @@ class _Chunks:
         return docs, self.last_chunk[docs] - lo
 
 
-def _block_states(K, V, initial, entering, chunks: _Chunks, lo: int, hi: int):
+def _block_states(K, V, initial, entering, chunks: Chunks, lo: int, hi: int):
     """For chunks ``lo … hi-1``: the state of each chunk's first document before the chunk (``entering`` is the
     one before chunk ``lo``), what each chunk hands on, and the state entering chunk ``hi``."""
     handed_on = (K * chunks.feeds_next[lo:hi]).transpose(-1, -2) @ V
@@ -172,7 +172,7 @@ class _ChunkScan(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, initial, chunks: _Chunks):
+    def forward(ctx, q, k, v, initial, chunks: Chunks):
         heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
         o = v.new_empty(chunks.total, heads, dv)
         at_last_chunk = q.new_zeros(chunks.num_docs, heads, dk, dv)
@@ -193,7 +193,7 @@ class _ChunkScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_at_last_chunk):
         q, k, v, initial = ctx.saved_tensors
-        chunks: _Chunks = ctx.chunks
+        chunks: Chunks = ctx.chunks
         heads, dk, dv = q.shape[1], q.shape[2], v.shape[2]
         blocks = chunks.blocks(heads, max(dk, dv))
         d_o = torch.zeros_like(v) if d_o is None else d_o

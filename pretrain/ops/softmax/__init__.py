@@ -12,6 +12,7 @@ and hold a (B·T)² mask.
 import torch
 
 from ..documents import per_document
+from ..first_use import first_use_ok, sample_inputs
 from .kernels import flash, flash_available, sdpa
 from .naive import softmax_attention_naive
 
@@ -19,11 +20,33 @@ from .naive import softmax_attention_naive
 def softmax_attention(q, k, v, *, causal: bool = True, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """``softmax(q kᵀ/√D) v`` per head; ``[B, T, H, D]`` in and out; ``cu_seqlens`` keeps documents apart."""
     _check_shapes(q, k, v, cu_seqlens)
-    if flash_available and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    if _flash_may_run(q) and _flash_trusted(q, v, causal, cu_seqlens):
         return flash(q, k, v, causal, cu_seqlens)
+    return _sdpa(q, k, v, causal, cu_seqlens)
+
+
+def _sdpa(q, k, v, causal, cu_seqlens):
     if cu_seqlens is not None:
         return per_document(sdpa, cu_seqlens, q, k, v, causal=causal)
     return sdpa(q, k, v, causal=causal)
+
+
+def _flash_may_run(q) -> bool:
+    """flash-attn installed, CUDA tensors, a dtype its kernels take."""
+    return flash_available and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _flash_trusted(q, v, causal, cu_seqlens) -> bool:
+    """flash-attn's first-use check (``ops/first_use.py``) against SDPA for this device, dtype and request class:
+    two heads of the request's widths, two packed documents when the request packs them."""
+    length, packed = 77, cu_seqlens is not None
+    key = ("flash_attn", str(q.device), q.dtype, q.shape[3], v.shape[3], causal, packed)
+    heads = min(q.shape[2], 2)
+    inputs = sample_inputs([(1, length, heads, q.shape[3])] * 2 + [(1, length, heads, v.shape[3])], like=q)
+    cu = torch.tensor([0, 30, length], device=q.device, dtype=torch.int32) if packed else None
+    return first_use_ok(key, lambda q, k, v: flash(q, k, v, causal, cu),
+                        lambda q, k, v: _sdpa(q, k, v, causal, cu), inputs,
+                        kernel_name="flash-attn", reference_name="PyTorch's scaled_dot_product_attention")
 
 
 def _check_shapes(q, k, v, cu_seqlens):

@@ -1,0 +1,157 @@
+"""``retnet``: multi-scale retention (Sun et al. 2023, "Retentive Network", arXiv 2307.08621) on
+``ops.decayed_linear_attention``.
+
+docs/MIXERS.md#retnet. Per head h a fixed decay γ_h: ``S_t = γ_h S_{t−1} + k_t v_tᵀ``, ``o_t = q_tᵀ S_t`` with k
+scaled by ``D^{−1/2}`` and q, k rotated by RoPE at their in-document positions (the paper's xPos without its
+scaling, as the released code later did); a per-head RMSNorm (the paper's GroupNorm), the swish gate
+``silu(x W_g) ⊙ o``, the output projection. ``decay``: ``retnet`` (``γ_h = 1 − 2^{−5−h}``) or ``lightning``
+(Lightning Attention's, MiniMax-01: ALiBi slopes ``s_h`` scaled per layer, ``γ_h = exp(−s_h·(1 − l/(L−1) + 1e−5))``).
+``short_conv: K`` (the base class's option, 4 here) puts a causal depthwise convolution (SiLU) on each of q, k and v
+(0: none, the paper's layer).
+"""
+import math
+
+import torch
+from torch import nn
+
+from ..ops import apply_rope
+from ..ops.decayed_linear_attention import decayed_linear_attention
+from .base import Mixer
+from .common import token_positions
+from .norm import RMSNorm
+from .registry import register
+from .sequence_parallel import decayed_conv_entering
+
+DECAYS = ("retnet", "lightning")
+
+
+def retnet_log_decay(heads: int) -> torch.Tensor:
+    """``log γ_h = log(1 − 2^{−5−h})``, fp64 (the last heads sit within 2^{−5−h} of 1)."""
+    return torch.log1p(-torch.pow(2.0, -5.0 - torch.arange(heads, dtype=torch.float64)))
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al. 2022): ``2^{−8(h+1)/H}`` for H a power of two, interleaved otherwise."""
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = torch.pow(2.0, -8.0 * torch.arange(1, closest + 1, dtype=torch.float64) / closest)
+    if closest == heads:
+        return slopes
+    return torch.cat([slopes, alibi_slopes(2 * closest)[0::2][: heads - closest]])
+
+
+def lightning_log_decay(heads: int, layer_index: int, num_layers: int) -> torch.Tensor:
+    """Lightning Attention's per-layer decay: ALiBi slopes, weaker in deeper layers (near 0 in the last)."""
+    depth = layer_index / (num_layers - 1) if num_layers > 1 else 0.0
+    return -alibi_slopes(heads) * (1 - depth + 1e-5)
+
+
+@register("retnet")
+class Retention(Mixer):
+    """Projections q, k, v, the gate ``gate_proj``; on a sequence slice the decayed state of the earlier slices enters
+    each row's first document, and the previous slice's last inputs (its halo, in the same exchange) feed the
+    convolution's first outputs."""
+
+    supports_sequence_parallel = True
+
+    def __init__(self, dim: int, num_heads: int, *, causal: bool = True, decay: str = "retnet", layer_index: int = 0,
+                 num_layers: int = 1, rope: bool = True, rope_theta: float = 10000.0, short_conv: int = 4,
+                 norm_eps: float = 1e-6, chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False,
+                 o_bias: bool = False):
+        if not causal:
+            raise ValueError("retnet is built causal here (retention's non-causal form is not implemented)")
+        super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias, short_conv=short_conv)
+        if decay not in DECAYS:
+            raise ValueError(f"retnet: decay must be one of {DECAYS}; got {decay!r}")
+        if not 0 <= layer_index < num_layers:
+            raise ValueError(f"retnet: layer_index must lie in [0, num_layers = {num_layers}); got {layer_index}")
+        self.rope, self.rope_theta, self.chunk_size, self.impl = rope, rope_theta, chunk_size, impl
+        self.decay, self.layer_index, self.num_layers = decay, layer_index, num_layers
+        self.gate_proj = nn.Linear(dim, dim, bias=False)
+        self.group_norm = RMSNorm(self.head_dim, eps=norm_eps)
+        self.reach = max(short_conv - 1, 0)  # tokens before a slice (or a decoded piece) the convolutions read
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The fixed per-head log-decay ``[H]`` on ``x``'s device, fp32 at least. Made from the options at each call
+        (H numbers), never held: a tensor attribute is neither in the state dict nor moved with the module, and a
+        model built on the meta device (transformers' ``from_pretrained``) would keep it there."""
+        heads = self.num_heads
+        g = retnet_log_decay(heads) if self.decay == "retnet" else lightning_log_decay(heads, self.layer_index,
+                                                                                      self.num_layers)
+        return g.to(device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
+
+    def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
+        batch, seq_len, _ = x.shape
+        if position_ids is None:
+            position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
+        features = self._features(x)
+        convolved = self._convolved(features, position_ids)
+        q, k, v = self._heads(convolved, position_ids)  # zeros before a slice: see below
+        g = self.log_decay(x)
+        if cu_seqlens is not None:
+            q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
+        initial = None
+        if self.sequence is not None:  # the earlier slices' state, and their last features for the first tokens
+            self.check_sequence_parallel(self.sequence.size, seq_len)
+            initial, before = decayed_conv_entering(k, v, g.expand(*k.shape[:3]), features, position_ids,
+                                                    self.sequence, cu_seqlens.numel() - 1, halo=self.reach,
+                                                    head_keys_values=self._head_keys_values)
+            if self.reach:
+                first = self._convolved(features[:, :self.reach], position_ids[:, :self.reach], before)
+                q, k, v = self._heads(torch.cat([first, convolved[:, self.reach:]], dim=1), position_ids)
+                q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
+        o = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
+                                     chunk_size=self.chunk_size, impl=self.impl)
+        return self._output(x, o.view(batch, seq_len, *o.shape[2:]))
+
+    def forward_with_state(self, x, state):
+        """The state is the op's ``S [B, H, D, D]``, the convolution's last ``short_conv − 1`` inputs (None without
+        one) and the number of tokens seen (RoPE's next position)."""
+        batch, seq_len, _ = x.shape
+        attn_state, before, seen = state if state is not None else (None, None, 0)
+        features = self._features(x)
+        positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
+        q, k, v = self._heads(self._convolved(features, None, before), positions)
+        g = self.log_decay(x)
+        impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up
+        o, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
+                                                 chunk_size=self.chunk_size, impl=impl)
+        tail = None
+        if self.short_conv:  # the convolutions' last inputs, oldest first
+            tail = torch.cat([before if before is not None else features.new_zeros(batch, self.reach, 3 * self.dim),
+                              features], dim=1)[:, seq_len:]
+        return self._output(x, o), (attn_state, tail, seen + seq_len)
+
+    def _features(self, x):
+        """q, k, v side by side ``[B, T, 3·C]``: what the short convolutions (if any) mix."""
+        return torch.cat(self.projections(x), dim=-1)
+
+    def _convolved(self, features, position_ids=None, before=None):
+        """q, k, v side by side through the base class's short convolutions (unchanged without ``short_conv``);
+        ``before [B, K − 1, 3·C]``: the inputs just before these (None: zeros)."""
+        parts = list(features.chunk(3, dim=-1))
+        return torch.cat(self.convolved(parts, position_ids, None if before is None else before.chunk(3, dim=-1)),
+                         dim=-1)
+
+    def _heads(self, convolved, position_ids):
+        """q, k, v ``[B, T, H, D]`` from the (convolved) features: k scaled by ``D^{−1/2}``, q and k rotated (if
+        asked)."""
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in convolved.chunk(3, dim=-1))
+        k = k * self.head_dim ** -0.5
+        if self.rope:
+            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+        return q, k, v
+
+    def _head_keys_values(self, features, before, positions):
+        """k, v of a slice's first tokens from their features, the halo ``before`` them and their positions."""
+        _, k, v = self._heads(self._convolved(features, positions, before), positions)
+        return k, v
+
+    def _output(self, x, o):
+        """The per-head norm, the swish gate and the output projection."""
+        o = self.group_norm(o).flatten(2)
+        return self.o_proj(nn.functional.silu(self.gate_proj(x)) * o)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Four projections and the short convolutions, the gate, and the recurrent form's state update and read
+        per head."""
+        return self.projection_flops() + 2 * self.dim * self.dim + 2 * 2 * self.dim * self.head_dim

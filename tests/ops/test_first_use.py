@@ -1,0 +1,177 @@
+"""``impl="auto"`` takes a kernel nobody has run on this device only after its first-use check (ops/first_use.py).
+
+On CPU the check is exercised by injecting kernels: a wrong one (output, or only its backward), one that raises, and
+a correct one, in place of the Triton linear-attention kernel and of flash-attn.
+"""
+import importlib
+import warnings
+
+import pytest
+import torch
+
+from pretrain.ops.first_use import forget_verdicts
+
+# the modules, not the functions of the same name that pretrain.ops re-exports over them
+la = importlib.import_module("pretrain.ops.linear_attention")
+sm = importlib.import_module("pretrain.ops.softmax")
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    forget_verdicts()
+    yield
+    forget_verdicts()
+
+
+class Counted:
+    """A stand-in kernel that counts its calls."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+class _WrongBackward(torch.autograd.Function):
+    """The identity forward, a doubled gradient: a kernel whose forward passes and whose backward does not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+def chunk_form(q, k, v, **kwargs):
+    return la.linear_attention_chunk(q, k, v, **kwargs)
+
+
+def scaled_output(q, k, v, **kwargs):
+    out = chunk_form(q, k, v, **kwargs)
+    return (out[0] * 1.1, out[1]) if isinstance(out, tuple) else out * 1.1
+
+
+def wrong_backward(q, k, v, **kwargs):
+    out = chunk_form(q, k, v, **kwargs)
+    return (_WrongBackward.apply(out[0]), out[1]) if isinstance(out, tuple) else _WrongBackward.apply(out)
+
+
+def raises(*args, **kwargs):
+    raise RuntimeError("no kernel image is available for execution on the device")
+
+
+def features(length=150, heads=3, dk=8, dv=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(1, length, heads, dk, generator=gen), torch.rand(1, length, heads, dk, generator=gen), \
+        torch.randn(1, length, heads, dv, generator=gen)
+
+
+def use_kernel(monkeypatch, kernel):
+    monkeypatch.setattr(la, "linear_attention_triton", kernel)
+    monkeypatch.setattr(la, "_triton_may_run", lambda q: True)  # as on CUDA with triton installed
+
+
+@pytest.mark.parametrize("broken", [scaled_output, wrong_backward, raises], ids=["output", "backward", "raises"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_a_wrong_kernel_warns_once_and_auto_falls_back(monkeypatch, broken, packed):
+    kernel = Counted(broken)
+    use_kernel(monkeypatch, kernel)
+    q, k, v = features()
+    cu = torch.tensor([0, 40, 41, 150]) if packed else None
+    want = la.linear_attention(q, k, v, cu_seqlens=cu, impl="chunk")
+    with pytest.warns(RuntimeWarning, match=r"Triton linear-attention kernel failed its first-use check on cpu in "
+                                            r"float32 .*impl='auto' uses the chunked form") as record:
+        got = la.linear_attention(q, k, v, cu_seqlens=cu, impl="auto")
+    assert len(record) == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    checked = kernel.calls
+    assert checked == 1  # the check's own call, never the request's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the verdict is remembered: no second warning, no second check
+        la.linear_attention(q, k, v, cu_seqlens=cu, impl="auto")
+    assert kernel.calls == checked
+
+
+def test_the_warning_names_what_differed(monkeypatch):
+    use_kernel(monkeypatch, Counted(wrong_backward))
+    with pytest.warns(RuntimeWarning, match=r"gradient of input \d off by"):
+        la.linear_attention(*features(), impl="auto")
+
+
+def test_a_correct_kernel_is_taken_after_its_check(monkeypatch):
+    kernel = Counted(chunk_form)
+    use_kernel(monkeypatch, kernel)
+    q, k, v = features()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        la.linear_attention(q, k, v, impl="auto")
+        la.linear_attention(q, k, v, impl="auto")
+    assert kernel.calls == 1 + 2  # checked once, then used for both requests
+
+
+def test_each_request_class_is_checked_once(monkeypatch):
+    kernel = Counted(chunk_form)
+    use_kernel(monkeypatch, kernel)
+    q, k, v = features()
+    la.linear_attention(q, k, v, normalize="divisive", impl="auto")
+    la.linear_attention(q, k, v, normalize="none", impl="auto")
+    la.linear_attention(q, k, v, normalize="none", impl="auto")
+    assert kernel.calls == 2 * 1 + 3  # two classes checked, three requests run
+
+
+def test_a_kernel_asked_for_by_name_is_not_checked(monkeypatch):
+    kernel = Counted(raises)
+    use_kernel(monkeypatch, kernel)
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        la.linear_attention(*features(), impl="triton")
+    assert kernel.calls == 1
+
+
+def test_the_check_leaves_the_random_streams_alone(monkeypatch):
+    use_kernel(monkeypatch, Counted(chunk_form))
+    q, k, v = features()
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    la.linear_attention(q, k, v, impl="auto")
+    torch.testing.assert_close(torch.rand(3), expected, rtol=0, atol=0)
+
+
+def test_the_check_runs_under_no_grad(monkeypatch):
+    """Evaluation runs under no_grad; the check needs gradients of its own and must still decide."""
+    use_kernel(monkeypatch, Counted(wrong_backward))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="gradient"):
+        la.linear_attention(*features(), impl="auto")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_flash_attn_is_checked_against_sdpa(monkeypatch, packed):
+    def wrong_flash(q, k, v, causal, cu_seqlens):
+        return sm._sdpa(q, k, v, causal, cu_seqlens).flip(1)  # every token gets another token's output
+
+    flash = Counted(wrong_flash)
+    monkeypatch.setattr(sm, "flash", flash)
+    monkeypatch.setattr(sm, "_flash_may_run", lambda q: True)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 50, 2, 8, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 20, 50]) if packed else None
+    with pytest.warns(RuntimeWarning, match="flash-attn failed its first-use check.*scaled_dot_product_attention"):
+        got = sm.softmax_attention(q, k, v, cu_seqlens=cu)
+    torch.testing.assert_close(got, sm._sdpa(q, k, v, True, cu), rtol=0, atol=0)
+    sm.softmax_attention(q, k, v, cu_seqlens=cu)
+    assert flash.calls == 1
+
+
+def test_a_correct_flash_is_taken(monkeypatch):
+    flash = Counted(lambda q, k, v, causal, cu: sm._sdpa(q, k, v, causal, cu))
+    monkeypatch.setattr(sm, "flash", flash)
+    monkeypatch.setattr(sm, "_flash_may_run", lambda q: True)
+    q = k = v = torch.randn(1, 30, 2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sm.softmax_attention(q, k, v)
+    assert flash.calls == 2
