@@ -112,6 +112,66 @@ def worker(args) -> None:
     close_process_group()
 
 
+def speed_worker(args) -> None:
+    """Every variant's model in this one process (same weights, one row of ``--seq-len`` on one rank), stepped in
+    turn for ``--speed-rounds`` rounds after a warm-up each: a shared machine's load then slows them alike."""
+    import torch
+
+    from pretrain.distributed import apply_activation_checkpointing
+    from pretrain.tasks import build_model
+    from pretrain.tasks.config_checks import load_run_config
+
+    torch.set_num_threads(1)
+    models = {}
+    for name, overrides in args.variants:
+        cfg = load_run_config(None, model_overrides(args, 1, args.seq_len, overrides))
+        torch.manual_seed(0)
+        models[name] = build_model(cfg)
+        if cfg.deepspeed.activation_checkpointing:
+            apply_activation_checkpointing(models[name])
+    ids = torch.randint(0, args.vocab, (1, args.seq_len + 1))
+    positions = (torch.arange(args.seq_len) % args.doc_len)[None]
+
+    def step(model) -> float:
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        model(ids[:, :-1], position_ids=positions, labels=ids[:, 1:]).backward()
+        return time.perf_counter() - start
+
+    for model in models.values():
+        step(model)
+    times = {name: [] for name in models}
+    for _ in range(args.speed_rounds):
+        for name, model in models.items():
+            times[name].append(step(model))
+    print(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+
+
+def compare_speed(args, seq_len: int) -> list[dict]:
+    """Tokens/s of every variant at one length on one rank, interleaved in one process (``speed_worker``)."""
+    command = [sys.executable, __file__, "--speed-worker", "--seq-len", str(seq_len),
+               "--speed-rounds", str(args.speed_rounds), *shared_flags(args),
+               *[f"--variant={name}={overrides}" for name, overrides in args.variants]]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"the speed comparison failed ({result.returncode}): {result.stderr[-600:]}")
+    medians, load = json.loads(lines[-1]), os.getloadavg()[0]
+    first = next(iter(medians.values()))
+    return [{"variant": name, "seq_len": seq_len, "step_s": s, "tokens_per_s": seq_len / s,
+             "relative": first / s, "rounds": args.speed_rounds, "load": load} for name, s in medians.items()]
+
+
+def speed_markdown(rows: list[dict]) -> str:
+    lines = [f"Tokens/s on one rank at {rows[0]['seq_len']:,} tokens, the variants stepped in turn in one process "
+             f"(median of {rows[0]['rounds']} rounds; load {rows[0]['load']:.2f} after):", "",
+             "| variant | step (fwd+bwd) | tokens/s | against the first |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['step_s']:.2f} s | {r['tokens_per_s']:,.0f} | {r['relative']:.2f}× |"
+              for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def measure(args, size: int, seq_len: int, variant: tuple[str, str]) -> dict:
     """One (N, length, variant) in fresh processes under an address-space limit; a failure is a record with its
     status. Every record carries the dry run's estimate of the same peak."""
@@ -175,7 +235,7 @@ def markdown(records: list[dict], args) -> str:
             key = (r["variant"], r["ranks"])
             longest[key] = max(longest.get(key, 0), r["seq_len"])
     summary = ", ".join(f"{name} N={n}: {t:,} tokens" for (name, n), t in longest.items())
-    variants = "".join(f"\n- {r['variant']}: `{r['overrides'] or 'defaults'}`" for r in
+    variants = "".join(f"\n- {r['variant']}: " + (f"`{r['overrides']}`" if r["overrides"] else "no overrides") for r in
                        {r["variant"]: r for r in records}.values())
     return (f"Longest trainable row within {args.budget_gb} GiB per rank: {summary}.\n\nVariants:{variants}\n\n"
             + "\n".join(rows) + "\n")
@@ -199,7 +259,13 @@ def main() -> None:
     parser.add_argument("--variant", action="append", type=parse_variant, dest="variants",
                         help="NAME=KEY=VALUE,... config overrides compared side by side (repeatable; default: one "
                              "variant, the defaults)")
+    parser.add_argument("--speed-rounds", type=int, default=0,
+                        help="also time the variants interleaved in one process at the first length, this many "
+                             "rounds (0: not)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="the peak-memory series (--no-memory: the speed comparison alone)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--speed-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overrides", default="", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--seq-len", type=int, default=0, help=argparse.SUPPRESS)
@@ -207,18 +273,25 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    records = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        for variant in args.variants or [("defaults", "")]:
+    if args.speed_worker:
+        speed_worker(args)
+        return
+    args.variants = args.variants or [("defaults", "")]
+    records, speed = [], []
+    for size in (int(s) for s in args.sizes.split(",")) if args.memory else ():
+        for variant in args.variants:
             for seq_len in (int(t) for t in args.seq_lens.split(",")):
                 record = measure(args, size, seq_len, variant)
                 records.append(record)
                 print(json.dumps({k: v for k, v in record.items() if k != "stderr"}), file=sys.stderr, flush=True)
                 if record["status"] != "ok":
                     break
+    if args.speed_rounds:
+        speed = compare_speed(args, int(args.seq_lens.split(",")[0]))
     if args.json:
-        Path(args.json).write_text(json.dumps(records, indent=1) + "\n")
-    table = markdown(records, args)
+        Path(args.json).write_text(json.dumps({"memory": records, "speed": speed} if speed else records, indent=1)
+                                   + "\n")
+    table = (markdown(records, args) if records else "") + ("\n" + speed_markdown(speed) if speed else "")
     if args.markdown:
         Path(args.markdown).write_text(table)
     print(table)
