@@ -44,7 +44,11 @@ def states_entering_slice(k: torch.Tensor, v: torch.Tensor, position_ids: torch.
     as a list of fields) and the op's ``combine``; and the gathered ``shared`` tensors."""
     layout = slice_layout(position_ids)
     rows = position_ids.shape
-    handed_on = state_of(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), layout.tail)
+    # only each row's tail makes the state: from the earliest tail start on, so that what ``state_of`` keeps for
+    # backward (masked copies of k and v) covers the last documents, not the whole slice
+    start = int((~layout.tail).sum(dim=1).min())
+    k, v = (x.reshape(*rows, *x.shape[2:])[:, start:] for x in (k, v))
+    handed_on = state_of(k, v, layout.tail[:, start:])
     return entering_states(handed_on, layout, shard, combine, empty, num_docs, shared=shared)
 
 
