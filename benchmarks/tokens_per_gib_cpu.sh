@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tokens per GiB (issue 29): the longest row one rank trains within 2 GiB, yesterday's code against this one's
+# Tokens per GiB (issue 29): the longest row one rank trains within 2 GiB, the base commit's code against this one's
 # defaults and its mini-sequence blocks (model.mini_sequence, with and without activation checkpointing), one
 # after the other in one run, the machine's load beside every figure. Writes benchmarks/tokens_per_gib_cpu/*.md, *.json.
 #   BASE=ae986c2 bash benchmarks/tokens_per_gib_cpu.sh      (BASE: the commit measured as "today"; ~25 minutes)

@@ -9,7 +9,9 @@
 (``model.mini_sequence``, ``deepspeed.activation_checkpointing``, mixer options), run at every N and length in
 turn. Beside each measured peak stands the dry run's estimate for the same setting (``pretrain.estimate``:
 activations plus the weights and gradients, no optimizer since none steps here), so the estimate is checked
-against the measurement.
+against the measurement. ``--speed-rounds R`` also steps every variant in turn in one process at the first length,
+R rounds, and reports each one's median tokens/s against the first's (``--no-memory``: that alone), since
+separate processes minutes apart on a shared machine compare nothing.
 
 For every N and length, torchrun starts N gloo ranks (one thread each) that train a small LM — one forward and
 backward of the loss per step, no optimizer — on one row of that length, split into N slices. Each rank reports
