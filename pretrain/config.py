@@ -50,6 +50,9 @@ class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps 
     mixer: str = "softmax"  # the default mixer of every layer (a name in pretrain.attention.REGISTRY)
     layer_pattern: list[str] = field(default_factory=list)  # e.g. [linear, linear, linear, softmax]; [] → [mixer]
     mixer_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per mixer name: {option: value}
+    # > 0: each block's norm + feed-forward runs over slices of this many tokens, keeping only its input for
+    # backward (pretrain/models/mini_sequence.py): same outputs and gradients, less memory per token; 0: off
+    mini_sequence: int = 0
 
 
 @dataclass
@@ -284,9 +287,9 @@ def _validate(cfg: DictConfig) -> None:
                 "model.init_std", "train.seq_len", "train.micro_batch_size", "train.grad_accum_steps",
                 "train.max_steps", "train.max_nonfinite_steps", "optim.lr", "optim.eps", "log.every",
                 "log.val_every", "log.val_batches", "checkpoint.every", "checkpoint.keep_last"]
-    non_negative = ["model.vocab_size", "model.ffn_hidden", "data.shuffle_buffer", "data.num_workers",
-                    "train.grad_clip", "optim.min_lr", "optim.weight_decay", "schedule.warmup_steps",
-                    "schedule.decay_steps"]
+    non_negative = ["model.vocab_size", "model.ffn_hidden", "model.mini_sequence", "data.shuffle_buffer",
+                    "data.num_workers", "train.grad_clip", "optim.min_lr", "optim.weight_decay",
+                    "schedule.warmup_steps", "schedule.decay_steps"]
     for key in positive:
         require(cfg, key, OmegaConf.select(cfg, key) > 0, "must be > 0")
     for key in non_negative:
@@ -309,6 +312,8 @@ def _validate(cfg: DictConfig) -> None:
                  not model.layer_pattern or model.n_layers % len(model.layer_pattern) == 0,
                  f"model.n_layers {model.n_layers} must be a multiple of the pattern length {len(model.layer_pattern)}")
     else:
+        require(cfg, "model.mini_sequence", model.mini_sequence == 0,
+                f"slices the rows of a causal LM's blocks; task {cfg.task} has no rows (set 0)")
         _validate_vision(cfg)
 
     require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")

@@ -10,22 +10,31 @@ Model states follow the ZeRO paper (Rajbhandari et al. 2020), Ψ parameters, N r
 - fp32: 4Ψ + 4Ψ + 8Ψ (m, v; the weights are their own master copy);
 - ZeRO stage 1 divides the optimizer states by N, stage 2 also the gradients, stage 3 also the weights;
 - offload_optimizer moves the optimizer states to CPU memory, offload_params the weights (reported apart).
-Activations are measured, not modelled: one forward on the meta device at (micro_batch_size, seq_len) through
-the model's fused head and loss (``models/lm_head.py``), counting every tensor autograd saves for backward
-(parameters excluded, views counted once); blocks of the same mixer save the same bytes, so one period of the
-layer pattern is run.
-A mixer whose forward needs data (``.item()``, ``nonzero`` on packed-document offsets) cannot run on meta; its
-share is then taken as 5·dim values per token (input, q, k, v, output; 9·dim more with ``short_conv``: each of
-q, k, v before its convolution, zero-padded, and before its SiLU) and the result names it.
-On the meta device SDPA would take its math path and store the T×T weights; the GPU kernels (flash-attn, SDPA's
-flash) keep only q, k, v, out and the log-sum-exp, so the measurement routes SDPA to that kernel's form.
+Activations are measured where they can be, modelled where they must be, and reported by component, the parts
+summing to the total (``activation_breakdown_bytes``). Measured: one forward on the meta device at
+(micro_batch_size, seq_len) through the model's fused head and loss (``models/lm_head.py``), counting every
+tensor autograd saves for backward (parameters excluded, views counted once) in the part of the block that saved
+it — the mixer's norm, the mixer (its projections, feature maps and op), the feed-forward's norm, the feed-forward
+— or the loss (embedding, final norm, head); blocks of the same mixer save the same bytes, so one period of the
+layer pattern is run, whole (``model.mini_sequence`` is then applied by arithmetic: a sliced feed-forward keeps
+its input only, and recomputes one slice at a time). A mixer whose forward needs data (``.item()``, ``nonzero``
+on packed-document offsets) cannot run on meta; it is run instead on the CPU at two short lengths and its bytes
+extrapolated along the row (exact for what grows linearly in T, as every linear-time mixer's saved tensors do),
+and the result names it. On the meta device SDPA would take its math path and store the T×T weights; the GPU
+kernels (flash-attn, SDPA's flash) keep only q, k, v, out and the log-sum-exp, so the measurement routes SDPA to
+that kernel's form. Modelled: the two moments memory peaks — the loss's end of the forward, when everything kept
+is held with the head's chunk of logits (``lm_head.working_set_bytes``), and the backward of the last block,
+which adds (with activation checkpointing) the recomputed block, one slice's feed-forward when sliced, and the
+gradients in flight: the residual stream's and those of a mixer's q, k, v and output, 5 × tokens × dim values.
 Under sequence parallelism (``parallel.sequence_parallel: N``) a rank holds seq_len/N tokens of every row, so its
 activations are measured at that length (Ulysses' all-to-all trades a slice of every head for every token of H/N
 heads: the same size); the states the linear mixers exchange, N × [H, D, D] per layer, are small beside them.
 With activation checkpointing each block keeps only its input, plus one block's activations while it is
-recomputed. Not counted: temporary buffers (DeepSpeed's communication buckets, ZeRO-3 gathers,
-allocator fragmentation), so treat the total as a floor with ~10–20 % headroom to plan for.
+recomputed. Not counted: temporary buffers inside kernels and DeepSpeed's (communication buckets, ZeRO-3
+gathers), allocator caching and fragmentation, so treat the total as a floor with ~10–20 % headroom to plan for;
+``tools/bench_sequence_parallel.py`` sets the estimate beside a measured peak.
 """
+import copy
 import dataclasses
 
 import torch
@@ -35,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from .config import ConfigError, ModelConfig
 from .models import build_lm, build_vision_model
+from .models.lm_head import working_set_bytes
 from .ops.precision import DTYPES
 
 BYTES_PER_PARAM = {  # weights, gradients, optimizer states (Adam), per parameter
@@ -42,8 +52,9 @@ BYTES_PER_PARAM = {  # weights, gradients, optimizer states (Adam), per paramete
     "bf16": (2, 2, 12),
     "fp16": (2, 2, 12),
 }
-MIXER_TENSORS_PER_TOKEN = 5  # the fallback for mixers that cannot run on meta: input, q, k, v, output
-SHORT_CONV_TENSORS_PER_TOKEN = 9  # and with short_conv: per q, k, v its projection, the zero-padded copy, the pre-SiLU
+BLOCK_PARTS = ("mixer_norm", "mixer", "ffn_norm", "ffn")  # where a block's saved bytes are counted
+GRADIENTS_IN_FLIGHT = 5  # [tokens, dim] gradients held at once in backward: the residual's, a mixer's q, k, v, out
+CPU_PROBE_LENGTHS = (128, 256)  # a mixer that cannot run on meta is measured at these lengths on the CPU
 
 
 def estimate(cfg: DictConfig, world_size: int) -> dict:
@@ -61,20 +72,20 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
     if world_size % split:
         raise ConfigError("parallel.sequence_parallel", f"{split} must divide the number of ranks ({world_size})")
     local_len = train.seq_len // split  # a rank's slice of every row: its activations are those of a row this long
+    model_cfg = OmegaConf.to_object(cfg.model)
     with torch.device("meta"):
-        model = build_lm(OmegaConf.to_object(cfg.model)).to(dtype)
-        probe = build_lm(_one_pattern_period(OmegaConf.to_object(cfg.model))).to(dtype)
+        model = build_lm(model_cfg).to(dtype)
+        probe = build_lm(_one_pattern_period(model_cfg)).to(dtype)
     parameters = sum(p.numel() for p in model.parameters())
     forward_flops = model.flops_per_token(train.seq_len)
 
     states = model_state_bytes(parameters, ds.precision, ds.zero_stage, world_size)
-    period, rest, approximated = saved_activation_bytes(probe, train.micro_batch_size, local_len)
-    per_block = [period[i % len(period)] for i in range(len(model.layers))]
-    if ds.activation_checkpointing:
-        block_input = train.micro_batch_size * local_len * cfg.model.dim * dtype.itemsize
-        activations = len(per_block) * block_input + max(per_block) + rest
-    else:
-        activations = sum(per_block) + rest
+    period, rest, extrapolated = saved_activation_bytes(probe, train.micro_batch_size, local_len)
+    parts, peak_at = activation_parts([period[i % len(period)] for i in range(len(model.layers))], rest,
+                                      tokens=train.micro_batch_size * local_len, dim=cfg.model.dim, dtype=dtype,
+                                      vocab=cfg.model.vocab_size, checkpointing=ds.activation_checkpointing,
+                                      mini_sequence=cfg.model.mini_sequence)
+    activations = sum(parts.values())
 
     offloaded = {"weights": ds.offload_params, "gradients": False, "optimizer_states": ds.offload_optimizer}
     on_gpu = {k: 0 if offloaded[k] else v for k, v in states.items()}
@@ -84,6 +95,8 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
         "forward_flops_per_token": forward_flops,
         "memory_per_rank_bytes": sum(on_gpu.values()) + activations,
         "memory_breakdown_bytes": {**on_gpu, "activations": activations},
+        "activation_breakdown_bytes": parts,  # at the peak: the loss's end of the forward, or the backward
+        "activation_peak_at": peak_at,
         "cpu_offload_bytes": sum(v for k, v in states.items() if offloaded[k]),
         "world_size": world_size,
         "zero_stage": ds.zero_stage,
@@ -93,7 +106,8 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
         "sequence_parallel": split,
         "tokens_per_rank": train.micro_batch_size * local_len,
         "activation_checkpointing": ds.activation_checkpointing,
-        "activations_approximated_for": approximated,  # mixers that cannot run on meta: 5·dim values per token
+        "mini_sequence": cfg.model.mini_sequence,
+        "activations_extrapolated_for": extrapolated,  # mixers that cannot run on meta: measured short on the CPU
     }
 
 
@@ -131,17 +145,53 @@ def model_state_bytes(parameters: int, precision: str, zero_stage: int, world_si
 
 
 def _one_pattern_period(model_cfg: ModelConfig) -> ModelConfig:
-    """The model with one period of its layer pattern: blocks of one mixer save the same bytes, so measure each once."""
-    return dataclasses.replace(model_cfg, n_layers=len(model_cfg.layer_pattern) or 1)
+    """The model with one period of its layer pattern (blocks of one mixer save the same bytes, so measure each
+    once), unsliced: what a block saves whole is measured, and ``activation_parts`` applies the slicing."""
+    return dataclasses.replace(model_cfg, n_layers=len(model_cfg.layer_pattern) or 1, mini_sequence=0)
 
 
-def saved_activation_bytes(model, batch: int, seq_len: int) -> tuple[list[int], int, list[str]]:
-    """Bytes autograd saves in one training forward: per block, the rest (embedding, head, fp32 loss), and the
-    mixers whose share had to be approximated because they do not run on the meta device."""
+def activation_parts(blocks: list[dict[str, int]], rest: int, *, tokens: int, dim: int, dtype: torch.dtype,
+                     vocab: int, checkpointing: bool, mini_sequence: int) -> tuple[dict[str, int], str]:
+    """One rank's activation bytes at their peak, by component (summing to the total), and which moment that is.
+
+    ``blocks``: each block's saved bytes by part (``BLOCK_PARTS``), measured whole; ``rest``: the loss's.
+    """
+    row = tokens * dim * dtype.itemsize  # one [tokens, dim] tensor: a block's input, the residual's gradient
+
+    def block_bytes(block):
+        return sum(block.values())
+
+    slice_bytes = 0
+    if mini_sequence:  # the feed-forward keeps its input; in backward one slice's activations come back at a time
+        share = min(mini_sequence, tokens) / tokens
+        slice_bytes = int(max(share * (block["ffn_norm"] + block["ffn"]) for block in blocks))
+        blocks = [{**block, "ffn_norm": row, "ffn": 0} for block in blocks]
+    kept = [] if checkpointing else blocks  # held from a block's forward to its backward
+    recomputed = [max(blocks, key=block_bytes)] if checkpointing else []  # held while the block's backward runs
+    at_loss = working_set_bytes(tokens, vocab, dtype)
+    in_backward = sum(map(block_bytes, recomputed)) + slice_bytes + GRADIENTS_IN_FLIGHT * row
+    peak_at = "loss" if at_loss >= in_backward else "backward"
+    held = kept + (recomputed if peak_at == "backward" else [])
+    parts = {"block_inputs": len(blocks) * row if checkpointing else 0}
+    parts |= {f"{part}s": sum(block[part] for block in held) for part in BLOCK_PARTS}
+    parts["loss"] = rest
+    parts["loss_working_set"] = at_loss if peak_at == "loss" else 0
+    parts["ffn_slice"] = slice_bytes if peak_at == "backward" else 0
+    parts["gradients_in_flight"] = GRADIENTS_IN_FLIGHT * row if peak_at == "backward" else 0
+    return parts, peak_at
+
+
+def saved_activation_bytes(model, batch: int, seq_len: int) -> tuple[list[dict[str, int]], int, list[str]]:
+    """Bytes autograd saves in one training forward: per block and part of it (``BLOCK_PARTS``), the rest
+    (embedding, final norm, head, fp32 loss), and the mixers that had to be measured on the CPU instead."""
     device = next(model.parameters()).device
-    counter = _SavedTensorCounter(model)
-    hooks = [block.register_forward_pre_hook(lambda module, args, i=i: counter.switch(i))
-             for i, block in enumerate(model.layers)]
+    buckets = [(i, part) for i in range(len(model.layers)) for part in BLOCK_PARTS] + ["rest"]
+    counter = _SavedTensorCounter(model.parameters(), buckets)
+    hooks = []
+    for i, block in enumerate(model.layers):
+        for part in BLOCK_PARTS:
+            hooks.append(getattr(block, part).register_forward_pre_hook(
+                lambda module, args, bucket=(i, part): counter.switch(bucket)))
     hooks.append(model.norm.register_forward_pre_hook(lambda module, args: counter.switch("rest")))
     for block in model.layers:
         block.mixer.forward = counter.guarded(block.mixer)
@@ -154,7 +204,8 @@ def saved_activation_bytes(model, batch: int, seq_len: int) -> tuple[list[int], 
             hook.remove()
         for block in model.layers:
             del block.mixer.forward  # back to the class's forward
-    return [counter.bytes[i] for i in range(len(model.layers))], counter.bytes["rest"], sorted(counter.approximated)
+    blocks = [{part: counter.bytes[i, part] for part in BLOCK_PARTS} for i in range(len(model.layers))]
+    return blocks, counter.bytes["rest"], sorted(counter.extrapolated)
 
 
 class _SavedTensorCounter:
@@ -163,11 +214,12 @@ class _SavedTensorCounter:
     Storages are told apart by their address, so the ones seen are kept alive: a freed address can be reused.
     """
 
-    def __init__(self, model):
-        self.seen = {p.untyped_storage()._cdata: p.untyped_storage() for p in model.parameters()}
-        self.bytes = {i: 0 for i in range(len(model.layers))} | {"rest": 0}
+    def __init__(self, parameters, buckets):
+        self.seen = {p.untyped_storage()._cdata: p.untyped_storage() for p in parameters}
+        self.bytes = dict.fromkeys(buckets, 0)
         self.bucket = "rest"
-        self.approximated = set()
+        self.extrapolated = set()
+        self.cpu_measured = {}  # repr(mixer) → (bytes per token, bytes per row) from its CPU twin
 
     def switch(self, bucket) -> None:
         self.bucket = bucket
@@ -180,8 +232,8 @@ class _SavedTensorCounter:
         return tensor
 
     def guarded(self, mixer):
-        """``mixer.forward``, or where it needs data the meta device lacks (``.item()``, ``nonzero``), the bytes a
-        q/k/v/o mixer keeps at least: its input, q, k, v and the op's output."""
+        """``mixer.forward``, or where it needs data the meta device lacks (``.item()``, ``nonzero``), its bytes
+        measured on a CPU twin at short lengths (``cpu_saved_bytes``) and extrapolated to ``x``'s."""
         forward = mixer.forward
 
         def run(x, **kwargs):
@@ -189,13 +241,39 @@ class _SavedTensorCounter:
             try:
                 return forward(x, **kwargs)
             except (RuntimeError, NotImplementedError):  # data-dependent shapes have no meta form
-                self.approximated.add(type(mixer).__name__)
-                tensors = MIXER_TENSORS_PER_TOKEN + (SHORT_CONV_TENSORS_PER_TOKEN if getattr(mixer, "short_conv", 0)
-                                                     else 0)
-                self.bytes[self.bucket] = before + tensors * x.numel() * x.element_size()
+                self.extrapolated.add(type(mixer).__name__)
+                key = repr(mixer)
+                if key not in self.cpu_measured:
+                    self.cpu_measured[key] = cpu_saved_bytes(mixer, x.shape[-1], x.dtype)
+                per_token, per_row = self.cpu_measured[key]
+                batch, seq_len, _ = x.shape
+                self.bytes[self.bucket] = before + round(batch * (per_row + per_token * seq_len))
                 return torch.zeros_like(x)
 
         return run
+
+
+def cpu_saved_bytes(mixer, dim: int, dtype: torch.dtype) -> tuple[float, float]:
+    """What a copy of ``mixer`` on the CPU saves for backward in a forward over one row of width ``dim``, as
+    (bytes per token, bytes per row), from ``CPU_PROBE_LENGTHS``: a linear-time mixer's saved tensors grow linearly
+    in T."""
+    twin = copy.deepcopy(mixer).to_empty(device="cpu")
+    vars(twin).pop("forward", None)  # the class's forward, not the guard the probe put on the original
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in [*twin.parameters(), *twin.buffers()]:
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
+    measured = []
+    for length in CPU_PROBE_LENGTHS:
+        counter = _SavedTensorCounter(twin.parameters(), ["rest"])
+        x = torch.randn(1, length, dim, generator=generator).to(dtype).requires_grad_()  # as a block's is
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            twin(x)
+        measured.append(counter.bytes["rest"])
+    (short, long), (a, b) = measured, CPU_PROBE_LENGTHS
+    per_token = (long - short) / (b - a)
+    return per_token, short - per_token * a
 
 
 class _FlashShapedSDPA(TorchFunctionMode):

@@ -19,7 +19,29 @@ def one_plus_unit(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)
 
 
-FEATURE_MAPS = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "identity": lambda x: x, "cosine": one_plus_unit}
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """``elu(x) + 1``, keeping only its output for backward (``_EluPlusOne``)."""
+    return _EluPlusOne.apply(x)
+
+
+class _EluPlusOne(torch.autograd.Function):
+    """``φ(x) = elu(x) + 1``, whose derivative its output gives: 1 where φ > 1 (x > 0), φ itself elsewhere
+    (``d eˣ/dx = eˣ``). The op keeps φ(q) and φ(k) anyway, so backward needs no pre-activation q and k: autograd
+    through ``F.elu`` would keep them, 2·dim values per token and layer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        phi = F.elu(x).add_(1)
+        ctx.save_for_backward(phi)
+        return phi
+
+    @staticmethod
+    def backward(ctx, grad):
+        phi, = ctx.saved_tensors
+        return grad * torch.where(phi > 1, 1, phi)
+
+
+FEATURE_MAPS = {"elu": elu_plus_one, "relu": F.relu, "identity": lambda x: x, "cosine": one_plus_unit}
 
 
 @register("linear")

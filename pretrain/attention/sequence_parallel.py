@@ -56,7 +56,11 @@ def states_entering_slice(k: torch.Tensor, v: torch.Tensor, position_ids: torch.
         first_states = convolutions.first_states_from(len(shared), state_of)
         shared = [*shared, *convolutions.packet(layout.tail, riders)]
     tail = layout.tail if convolutions is None else convolutions.own(layout.tail)
-    handed_on = state_of(k.reshape(*rows, *k.shape[2:]), v.reshape(*rows, *v.shape[2:]), tail, *riders)
+    # only each row's tail makes the state: from the earliest tail start on, so that what ``state_of`` keeps for
+    # backward (masked copies of k and v) covers the last documents, not the whole slice
+    start = int((~tail).sum(dim=1).min())
+    k, v = (x.reshape(*rows, *x.shape[2:])[:, start:] for x in (k, v))
+    handed_on = state_of(k, v, tail[:, start:], *(r[:, start:] for r in riders))
     return entering_states(handed_on, layout, shard, combine, empty, num_docs, shared=shared,
                            first_states=first_states)
 

@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
 from .layers import SwiGLU, init_weights, swiglu_hidden
 from .lm_head import LMHead
+from .mini_sequence import sliced
 
 # Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).
 SHARED_MIXER_OPTIONS = ("rope_theta",)
@@ -35,17 +36,25 @@ def mixer_kwargs(model_cfg: ModelConfig, name: str, layer_index: int = 0) -> dic
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + ffn(norm(x))``."""
+    """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + ffn(norm(x))``.
 
-    def __init__(self, mixer: nn.Module, dim: int, ffn_hidden: int, norm_eps: float):
+    ``mini_sequence`` > 0 runs the second half over slices of that many tokens, keeping only its input for
+    backward (``mini_sequence.py``); the mixer sees the whole row, as its op needs.
+    """
+
+    def __init__(self, mixer: nn.Module, dim: int, ffn_hidden: int, norm_eps: float, mini_sequence: int = 0):
         super().__init__()
         self.mixer_norm = RMSNorm(dim, eps=norm_eps)
         self.mixer = mixer
         self.ffn_norm = RMSNorm(dim, eps=norm_eps)
         self.ffn = SwiGLU(dim, ffn_hidden)
+        self.mini_sequence = mini_sequence
 
     def forward(self, x, cu_seqlens=None, position_ids=None):
         x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
+        return sliced(self._ffn_residual, x, self.mini_sequence)
+
+    def _ffn_residual(self, x):
         return x + self.ffn(self.ffn_norm(x))
 
     def step(self, x_t, state=None):
@@ -57,8 +66,7 @@ class Block(nn.Module):
         return self._then_ffn(x, *self.mixer.prefill(self.mixer_norm(x)))
 
     def _then_ffn(self, x, mixed, state):
-        x = x + mixed
-        return x + self.ffn(self.ffn_norm(x)), state
+        return sliced(self._ffn_residual, x + mixed, self.mini_sequence), state
 
 
 class CausalLM(nn.Module):
@@ -78,7 +86,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             Block(build_mixer(name, dim, model_cfg.n_heads, causal=True,
                               options=mixer_kwargs(model_cfg, name, layer_index=index)),
-                  dim, hidden, model_cfg.norm_eps)
+                  dim, hidden, model_cfg.norm_eps, model_cfg.mini_sequence)
             for index, name in enumerate(names)
         )
         self.norm = RMSNorm(dim, eps=model_cfg.norm_eps)

@@ -16,6 +16,15 @@ from ..ops.precision import upcast
 LOGITS_PER_CHUNK = 1 << 25  # 128 MiB of fp32 logits: small next to the model, whole matmuls for the GPU
 
 
+def working_set_bytes(tokens: int, vocab: int, dtype: torch.dtype) -> int:
+    """What the fused loss allocates beyond what it keeps: one chunk's logits in fp32 and ``logsumexp``'s
+    temporary of the same size; in a lower precision also the matmul's output and the gradient's copy in it."""
+    rows = min(tokens, max(1, LOGITS_PER_CHUNK // vocab))
+    wide = max(dtype.itemsize, 4)
+    low = 0 if dtype.itemsize >= 4 else 2 * dtype.itemsize
+    return rows * vocab * (2 * wide + low)
+
+
 class LMHead(nn.Linear):
     """``x [..., dim]`` → logits ``[..., vocab]``; given ``labels [...]``, the summed NLL (≥ fp32) of the scored."""
 
@@ -57,23 +66,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=accumulate) if wants_w else None
         step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
         for start in range(0, x.shape[0], step):
-            rows, targets = x[start:start + step], labels[start:start + step]
-            logits, = upcast(F.linear(rows, weight))  # the matmul in the model's precision, the softmax in fp32
-            scored = targets != ignore_index
-            targets = torch.where(scored, targets, 0)[:, None]
-            log_norm = logits.logsumexp(dim=-1, keepdim=True)
-            token_nll = (log_norm - logits.gather(1, targets)).squeeze(1) * scored
+            token_nll = _chunk(x[start:start + step], weight, labels[start:start + step], ignore_index,
+                               None if grad_x is None else grad_x[start:start + step], grad_w)
             if per_token:
                 nll[start:start + step] = token_nll
             else:
                 nll = nll + token_nll.sum()
-            if wants_x or wants_w:  # d nll / d logits = softmax − one-hot, on scored rows
-                grad_logits = logits.sub_(log_norm).exp_().scatter_add_(1, targets, -torch.ones_like(log_norm))
-                grad_logits = (grad_logits * scored[:, None]).to(x.dtype)
-                if wants_x:
-                    grad_x[start:start + step] = grad_logits @ weight
-                if wants_w:
-                    grad_w += grad_logits.T @ rows
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype))
         return nll
 
@@ -82,3 +80,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         scale = lambda grad: None if grad is None else grad * grad_nll.to(grad.dtype)
         return scale(grad_x), scale(grad_w), None, None, None, None
+
+
+def _chunk(rows, weight, targets, ignore_index, grad_rows, grad_w):
+    """One chunk's NLL per token; its gradients written into ``grad_rows`` and added to ``grad_w`` (None: not
+    wanted). A function of its own so that its logits are freed before the next chunk's are made: the working
+    set is one chunk's logits, not two."""
+    logits, = upcast(F.linear(rows, weight))  # the matmul in the model's precision, the softmax in fp32
+    scored = targets != ignore_index
+    targets = torch.where(scored, targets, 0)[:, None]
+    log_norm = logits.logsumexp(dim=-1, keepdim=True)
+    token_nll = (log_norm - logits.gather(1, targets)).squeeze(1) * scored
+    if grad_rows is not None or grad_w is not None:  # d nll / d logits = softmax − one-hot, on scored rows
+        grad_logits = logits.sub_(log_norm).exp_().scatter_add_(1, targets, -torch.ones_like(log_norm))
+        grad_logits = grad_logits.mul_(scored[:, None]).to(rows.dtype)
+        del logits  # in fp32 the same buffer; in lower precision the fp32 one goes before the matmuls
+        if grad_rows is not None:
+            torch.mm(grad_logits, weight, out=grad_rows)
+        if grad_w is not None:
+            grad_w += grad_logits.T @ rows
+    return token_nll

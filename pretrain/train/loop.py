@@ -302,10 +302,19 @@ class Trainer:
             if validating or saving:
                 self.throughput.restart()
             if stopping:
-                self.writer.print(f"stopped by {stop.reason or 'a signal on another rank'} at step {c.step}; "
+                self.writer.print(f"stopped by {stop_reason(stop, world)} at step {c.step}; "
                                   f"relaunch the same command to resume (exit code {PREEMPTED})")
                 return True
         return False
+
+
+def stop_reason(stop: StopRequest, world: World) -> str:
+    """Why the run stops, as the first rank that was asked says it (one gather of strings, once a run): rank 0 may
+    learn of a stop only through the step's flag, a launcher's end being seen first by another rank's watcher."""
+    reasons = [None] * world.world_size
+    dist.all_gather_object(reasons, stop.reason)
+    rank, reason = next(((r, why) for r, why in enumerate(reasons) if why), (None, "a request on no rank"))
+    return reason if rank in (None, world.rank) else f"{reason} (on rank {rank})"
 
 
 def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:

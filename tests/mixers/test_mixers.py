@@ -162,3 +162,22 @@ def test_aft_full_refuses_sequences_beyond_its_bias(make_mixer):
     mixer = make_mixer("aft_full", causal=True, max_seq_len=8)
     with pytest.raises(ValueError, match="T_max"):
         mixer(torch.randn(1, 9, DIM, dtype=torch.float64))
+
+
+def test_elu_plus_one_keeps_its_output_alone_with_autograd_gradients():
+    """``φ = elu + 1`` differentiates from its output: the gradient of autograd through ``F.elu``, at 0 and far out."""
+    import torch.nn.functional as F
+
+    from pretrain.attention.linear import elu_plus_one
+
+    x = torch.tensor([-40.0, -3.0, -1e-12, 0.0, 1e-12, 0.5, 7.0], dtype=torch.float64, requires_grad=True)
+    upstream = torch.linspace(-1, 2, x.numel(), dtype=torch.float64)
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+        phi = elu_plus_one(x)
+    assert len(held) == 1 and held[0] is phi
+    grad, = torch.autograd.grad(phi, x, upstream)
+    reference_x = x.detach().requires_grad_()
+    reference = F.elu(reference_x) + 1
+    torch.testing.assert_close(phi, reference, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, torch.autograd.grad(reference, reference_x, upstream)[0], rtol=1e-10, atol=1e-10)

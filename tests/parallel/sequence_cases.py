@@ -60,10 +60,12 @@ MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_si
                 "gated_deltanet"]
 
 
-def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
-    """The LM's summed NLL of the rows (of this rank's slice) and its parameters' gradients."""
+def run_model(shard: SequenceShard | None, *, mini_sequence: int = 0, checkpointing: bool = False
+              ) -> dict[str, torch.Tensor]:
+    """The LM's summed NLL of the rows (of this rank's slice) and its parameters' gradients; optionally with its
+    feed-forwards run over slices of ``mini_sequence`` tokens and every block checkpointed."""
     from pretrain.config import load_config
-    from pretrain.distributed import apply_sequence_parallel
+    from pretrain.distributed import apply_activation_checkpointing, apply_sequence_parallel
     from pretrain.tasks import build_model
 
     cfg = load_config(None, ["data.tokenizer=none", "data.train_shards=none", "model.vocab_size=97",
@@ -74,12 +76,14 @@ def run_model(shard: SequenceShard | None) -> dict[str, torch.Tensor]:
                              "model.mixer_options.aft_local.chunk_size=16",
                              "model.mixer_options.aft_simple.chunk_size=16", "model.mixer_options.cosine.short_conv=4",
                              "model.mixer_options.retnet.chunk_size=16", "model.mixer_options.mamba2.chunk_size=16",
-                             "model.mixer_options.mamba2.state_size=8",
+                             "model.mixer_options.mamba2.state_size=8", f"model.mini_sequence={mini_sequence}",
                              "model.mixer_options.gated_deltanet.chunk_size=16"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():
         parameter.data.add_(0.05 * torch.randn_like(parameter))
+    if checkpointing:
+        apply_activation_checkpointing(model)
     ids = torch.randint(0, 97, (len(DOCUMENTS), SEQ_LEN + 1))
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "position_ids": position_ids()}
     if shard is not None:

@@ -25,6 +25,7 @@ def main(out_dir: str, names: list[str]) -> None:
     shard = SequenceShard(group=dist.group.WORLD, rank=rank, size=size)
     results = {name: run_case(CASES[name], shard) for name in names}
     results["model"] = run_model(shard)
+    results["model_sliced"] = run_model(shard, mini_sequence=5, checkpointing=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

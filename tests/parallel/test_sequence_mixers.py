@@ -51,10 +51,12 @@ def test_slices_equal_whole_rows(ranks_output, name, size):
 
 
 @pytest.mark.parametrize("size", [2, 4])
-def test_a_model_of_every_mixer_on_slices_equals_whole_rows(ranks_output, size):
-    """The slices' losses add up to the rows' loss; the parameter gradients, summed over ranks, are the rows'."""
+@pytest.mark.parametrize("model", ["model", "model_sliced"])
+def test_a_model_of_every_mixer_on_slices_equals_whole_rows(ranks_output, size, model):
+    """The slices' losses add up to the rows' loss; the parameter gradients, summed over ranks, are the rows'.
+    ``model_sliced``: with mini-sequence feed-forwards (5 tokens a slice) and activation checkpointing as well."""
     reference = run_model(None)
-    ranks = [results["model"] for results in ranks_output(size)]
+    ranks = [results[model] for results in ranks_output(size)]
     torch.testing.assert_close(sum(r["loss"] for r in ranks), reference["loss"], rtol=1e-10, atol=1e-10)
     for key in reference:
         if key.startswith("grad/"):

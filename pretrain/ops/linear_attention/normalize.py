@@ -31,7 +31,7 @@ def normalized(core, q, k, v, *, causal, normalize, eps, cu_seqlens, initial_sta
     num, den = num_den[..., :-1], num_den[..., -1:]
     final = None if Sz is None else LinearAttentionState(Sz[..., :-1], Sz[..., -1])
     if normalize == "divisive":
-        return _result((num / (den + eps)).to(dtype), final, output_final_state)
+        return _result(_Quotient.apply(num, den + eps).to(dtype), final, output_final_state)
 
     # u_t, the values' own sum, is the core with q = k = 1 (its chunked form beats a segmented cumsum on CPU);
     # the count n_t depends on no token, so it is a cheap cumsum that carries no gradient in training
@@ -43,6 +43,24 @@ def normalized(core, q, k, v, *, causal, normalize, eps, cu_seqlens, initial_sta
     if final is not None:
         final = final._replace(u=u_final[:, :, 0], n=n_final[..., 0])
     return _result(o.to(dtype), final, output_final_state)
+
+
+class _Quotient(torch.autograd.Function):
+    """``num / den`` keeping the quotient rather than the numerator (``d num = g / den``, ``d den = −Σ (g / den)·o``):
+    the layer after the op keeps the output as its input, so the divisive form's backward holds no tensor of its
+    own over the tokens (``/`` would keep ``num``, ``[T, H, Dv]``, besides)."""
+
+    @staticmethod
+    def forward(ctx, num, den):
+        o = num / den
+        ctx.save_for_backward(o, den)
+        return o
+
+    @staticmethod
+    def backward(ctx, grad):
+        o, den = ctx.saved_tensors
+        d_num = grad / den
+        return d_num, -(d_num * o).sum(-1, keepdim=True)
 
 
 def _result(o, final, output_final_state):
