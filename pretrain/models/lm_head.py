@@ -62,16 +62,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         wants_x, wants_w = (grad_enabled and needed for needed in ctx.needs_input_grad[:2])
         accumulate = torch.promote_types(x.dtype, torch.float32)
         nll = torch.zeros(x.shape[0] if per_token else (), dtype=accumulate, device=x.device)
-        grad_x = torch.empty_like(x) if wants_x else None
+        grad_x = torch.zeros_like(x) if wants_x else None
         grad_w = torch.zeros_like(weight, dtype=accumulate) if wants_w else None
+        rows, targets, scored = x, labels, None
+        if not x.is_cuda:  # only the scored rows (a recall task scores one in ten): on CUDA, picking them would
+            scored = (labels != ignore_index).nonzero().squeeze(1)  # cost a host sync per micro-batch
+            rows, targets = x[scored], labels[scored]
+        grad_rows = None if grad_x is None else (grad_x if scored is None else torch.empty_like(rows))
         step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
-        for start in range(0, x.shape[0], step):
-            token_nll = _chunk(x[start:start + step], weight, labels[start:start + step], ignore_index,
-                               None if grad_x is None else grad_x[start:start + step], grad_w)
+        for start in range(0, rows.shape[0], step):
+            token_nll = _chunk(rows[start:start + step], weight, targets[start:start + step], ignore_index,
+                               None if grad_rows is None else grad_rows[start:start + step], grad_w)
             if per_token:
-                nll[start:start + step] = token_nll
+                at = slice(start, start + step) if scored is None else scored[start:start + step]
+                nll[at] = token_nll
             else:
                 nll = nll + token_nll.sum()
+        if scored is not None and grad_x is not None:
+            grad_x[scored] = grad_rows
         ctx.save_for_backward(grad_x, None if grad_w is None else grad_w.to(weight.dtype))
         return nll
 

@@ -116,3 +116,12 @@ def test_the_model_with_labels_gives_the_loss_of_its_logits(tie):
         results.append([value, *torch.autograd.grad(value, params)])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_on_cpu_only_the_scored_rows_are_multiplied():
+    """A recall task scores about one token in ten: the head's matmuls (forward and both gradients) cover those."""
+    x, weight, labels = inputs(10, 6, 11, ignored=range(3, 10))
+    with FlopCounterMode(display=False) as counter:
+        nll = fused(x, weight, labels)
+    assert counter.get_total_flops() == 3 * (2 * 3 * 6 * 11)  # logits, d rows, d weight: 3 scored rows each
+    torch.testing.assert_close(nll, reference_nll(x, weight, labels), rtol=1e-12, atol=1e-12)
