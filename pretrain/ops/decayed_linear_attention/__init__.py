@@ -7,22 +7,27 @@ other. A sibling of ``ops.linear_attention``: it shares that family's state type
 (``normalize.py``), its packed-document layout (``Chunks``) and runs (``runs.py``).
 
 One public entry, ``decayed_linear_attention``, checks its inputs once and hands them to ``naive`` (the O(T²)
-definition with the decay matrix, the oracle), ``chunk`` (chunked parallel form) or ``recurrent`` (token by
-token, for decoding); each exposes ``decayed_linear_attention_<impl>(q, k, v, g, *, normalize, eps, cu_seqlens,
+definition with the decay matrix, the oracle), ``chunk`` (chunked parallel form), ``recurrent`` (token by
+token, for decoding) or ``fla`` (flash-linear-attention's ``chunk_simple_gla``, CUDA, ``normalize="none"``: ``fla.py``;
+``auto`` takes it on CUDA when fla is installed, the request fits it and it passed its first-use check); each
+exposes ``decayed_linear_attention_<impl>(q, k, v, g, *, normalize, eps, cu_seqlens,
 initial_state, output_final_state, chunk_size)`` with g already ``[B, T, H]``.
 """
 import torch
 
+from ..first_use import first_use_ok, sample_inputs
+from ..flash_linear import fla_may_run
 from ..linear_attention import check_inputs, check_offsets
 from ..linear_attention.state import LinearAttentionState, check_state
 from .chunk import decayed_linear_attention_chunk
+from .fla import decayed_linear_attention_fla
 from .naive import decayed_linear_attention_naive
 from .recurrent import decayed_linear_attention_recurrent
 
 NORMALIZATIONS = ("none", "divisive")
-IMPLS = ("auto", "naive", "chunk", "recurrent")
+IMPLS = ("auto", "naive", "chunk", "recurrent", "fla")
 _RUN = {"naive": decayed_linear_attention_naive, "chunk": decayed_linear_attention_chunk,
-        "recurrent": decayed_linear_attention_recurrent}
+        "recurrent": decayed_linear_attention_recurrent, "fla": decayed_linear_attention_fla}
 
 
 def decayed_linear_attention(
@@ -38,6 +43,8 @@ def decayed_linear_attention(
     its own initial state (zeros by default) and its decay starts there. initial_state / output_final_state: a
     ``LinearAttentionState`` (S, and z when divisive) per sequence or document. Returns ``o`` in the input dtype,
     or ``(o, final_state)`` with an fp32 state (fp64 for fp64 inputs).
+    impl: ``auto`` (fla on CUDA where it fits and passed its first-use check, else ``chunk``), ``naive``,
+    ``chunk``, ``recurrent`` or ``fla`` (flash-linear-attention's ``chunk_simple_gla``; CUDA, normalize none).
     """
     if normalize == "subtractive":
         raise ValueError("normalize='subtractive' does not combine with decay: InLine's correction divides by the "
@@ -47,19 +54,45 @@ def decayed_linear_attention(
         raise ValueError(f"normalize must be one of {NORMALIZATIONS} for decayed_linear_attention; got {normalize!r}")
     if impl == "triton":
         raise ValueError("decayed_linear_attention has no Triton kernel (ours covers only the undecayed op); on CUDA "
-                         "use impl='chunk', or flash-linear-attention's chunk_simple_gla (issue 30)")
+                         "use impl='chunk', or impl='fla' (flash-linear-attention's chunk_simple_gla)")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
-    check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl)
+    check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, "auto")  # impl checked above, against this op's list
     g = _checked_decay(g, q)
     if cu_seqlens is not None:
         check_offsets(cu_seqlens, q.shape[1])
     if initial_state is not None:
         num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
-    run = _RUN["chunk" if impl == "auto" else impl]
+    if impl == "auto":
+        impl = "fla" if normalize == "none" and fla_may_run(q) and _fla_trusted(q, v, cu_seqlens, chunk_size) \
+            else "chunk"
+    run = _RUN[impl]
     return run(q, k, v, g, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens, initial_state=initial_state,
                output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _fla_trusted(q, v, cu_seqlens, chunk_size) -> bool:
+    """fla's first-use check (``ops/first_use.py``) for this device, dtype and request class: three of fla's chunks
+    of two heads of the request's widths, per-token decay, an initial state in and the final state out (folded into
+    the compared output), a document boundary inside a chunk when the request packs them."""
+    heads, dk, dv = min(q.shape[2], 2), q.shape[3], v.shape[3]
+    length, packed = 2 * 64 + 5, cu_seqlens is not None
+    key = ("decayed_linear_attention_fla", str(q.device), q.dtype, dk, dv, packed)
+    cu = torch.tensor([0, 37, length], device=q.device) if packed else None
+    num = 2 if packed else 1
+    inputs = sample_inputs([(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (1, length, heads),
+                            (num, heads, dk, dv)], like=q, positive=(True, True, False, True))
+
+    def run(impl):
+        def call(q, k, v, forget, S):
+            o, final = decayed_linear_attention(q, k, v, -forget, cu_seqlens=cu, initial_state=LinearAttentionState(S),
+                                                output_final_state=True, chunk_size=chunk_size, impl=impl)
+            return torch.cat([o.flatten(), final.S.flatten().to(o.dtype)])
+        return call
+
+    return first_use_ok(key, run("fla"), run("chunk"), inputs, kernel_name="flash-linear-attention's chunk_simple_gla",
+                        reference_name="the chunked form (impl='chunk')")
 
 
 def _checked_decay(g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
