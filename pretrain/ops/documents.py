@@ -8,6 +8,27 @@ import torch
 import torch.nn.functional as F
 
 
+def check_packing(batch: int, cu_seqlens: torch.Tensor | None) -> None:
+    """What the shapes of packed-document offsets show (traceable: no values read): batch 1, 1-D integers."""
+    if cu_seqlens is None:
+        return
+    if batch != 1:
+        raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {batch}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
+        raise ValueError(f"cu_seqlens must be 1-D integer offsets [N + 1]; got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+
+
+def check_offsets(cu_seqlens: torch.Tensor, length: int) -> int:
+    """What only the values show: offsets rising strictly from 0 to ``length``; returns the number of documents."""
+    offsets = cu_seqlens.tolist()
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or any(
+            b <= a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={length} (no empty documents); "
+                         f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
+    return len(offsets) - 1
+
+
 def document_slices(cu_seqlens: torch.Tensor) -> list[slice]:
     """``cu_seqlens`` (int offsets, 0 … T) as one slice per document along the token axis."""
     offsets = cu_seqlens.tolist()

@@ -17,7 +17,8 @@ import torch
 
 from ..first_use import first_use_ok, sample_inputs
 from ..flash_linear import fla_may_run
-from ..linear_attention import check_inputs, check_offsets
+from ..documents import check_offsets
+from ..linear_attention import check_inputs
 from ..linear_attention.state import LinearAttentionState, check_state
 from .chunk import decayed_linear_attention_chunk
 from .fla import decayed_linear_attention_fla

@@ -12,6 +12,7 @@ takes it on CUDA when fla is installed and it passed its first-use check.
 import torch
 import torch.nn.functional as F
 
+from ..documents import check_offsets, check_packing
 from ..first_use import first_use_ok, sample_inputs
 from ..flash_linear import fla_may_run
 from .chunk import delta_rule_chunk
@@ -42,12 +43,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Te
     _check_inputs(q, k, v, beta, g, cu_seqlens, chunk_size, impl)
     num = q.shape[0]
     if cu_seqlens is not None:
-        offsets = cu_seqlens.tolist()
-        if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != q.shape[1] or any(
-                b <= a for a, b in zip(offsets, offsets[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={q.shape[1]} (no empty documents); "
-                             f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
-        num = len(offsets) - 1
+        num = check_offsets(cu_seqlens, q.shape[1])
     if initial_state is not None:
         check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3])
     if impl == "auto":
@@ -105,12 +101,7 @@ def _check_inputs(q, k, v, beta, g, cu_seqlens, chunk_size, impl):
                          f"{[x.dtype for x in floats]}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {q.shape[0]}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be 1-D integer offsets [N + 1]; got {cu_seqlens.dtype} "
-                             f"{tuple(cu_seqlens.shape)}")
+    check_packing(q.shape[0], cu_seqlens)
 
 
 __all__ = ["delta_rule", "delta_rule_naive", "IMPLS"]

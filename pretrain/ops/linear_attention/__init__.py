@@ -15,6 +15,7 @@ forward, a price worth paying only where the compiler needs it).
 """
 import torch
 
+from ..documents import check_offsets, check_packing
 from ..first_use import first_use_ok, sample_inputs
 from .chunk import linear_attention_chunk
 from .library import linear_attention_op
@@ -105,21 +106,7 @@ def check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):
         raise ValueError(f"q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not isinstance(chunk_size, int) or chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two; got {chunk_size!r}")
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {q.shape[0]}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be 1-D integer offsets [N + 1]; got {cu_seqlens.dtype} "
-                             f"{tuple(cu_seqlens.shape)}")
-
-
-def check_offsets(cu_seqlens, length):
-    """What only the values show (under ``torch.compile`` the op's eager body checks them)."""
-    offsets = cu_seqlens.tolist()
-    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or any(
-            b <= a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"cu_seqlens must rise strictly from 0 to T={length} (no empty documents); "
-                         f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
+    check_packing(q.shape[0], cu_seqlens)
 
 
 __all__ = ["linear_attention", "linear_attention_naive", "LinearAttentionState", "NORMALIZATIONS", "IMPLS"]
