@@ -75,6 +75,19 @@ class Mixer(nn.Module):
         return [conv(t, position_ids=position_ids, before=b)
                 for conv, t, b in zip(self.convolutions(), qkv, before or [None] * 3)]
 
+    @property
+    def conv_reach(self) -> int:
+        """How many inputs before a token the short convolutions read, ``K − 1`` (0 without): a sequence slice's
+        halo."""
+        return max(self.short_conv - 1, 0)
+
+    def keys_values(self, convolved: list[torch.Tensor], position_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k and v a sequence slice's state reads, from the convolved inputs of tokens at ``position_ids``
+        (``SliceConvolutions`` remakes them for an earlier slice's first tokens): the op's k and v here."""
+        _, k, v = self.features(*self.split(convolved))
+        return k, v
+
     def split(self, qkv: list[torch.Tensor], *, packed: bool = False) -> list[torch.Tensor]:
         """``[B, T, C]`` each → ``[B, T, H, D]`` (``[1, B·T, H, D]`` when ``packed``, the ops' cu_seqlens layout), or
         ``[B, T, C]`` (``[1, B·T, C]``) for a mixer built with ``heads=False``."""
@@ -105,11 +118,11 @@ class Mixer(nn.Module):
         """Refuse, saying why, rows split into ``size`` slices of ``slice_len`` tokens that this mixer cannot run on."""
         if not self.supports_sequence_parallel:
             raise ValueError(f"{type(self).__name__} has no sequence-parallel form")
-        reach = self.halo + max(self.short_conv - 1, 0)
+        reach = self.halo + self.conv_reach
         if slice_len < reach:
             raise ValueError(f"a slice of {slice_len} tokens is shorter than the {reach} tokens before it that "
                              f"{type(self).__name__} reads ({self.halo} for its local window, "
-                             f"{max(self.short_conv - 1, 0)} for short_conv): use fewer sequence ranks, or a smaller "
+                             f"{self.conv_reach} for short_conv): use fewer sequence ranks, or a smaller "
                              "window, conv_size or short_conv")
 
     def projection_flops(self) -> float:

@@ -18,7 +18,7 @@ from .base import Mixer
 from .common import token_positions
 from .norm import RMSNorm
 from .registry import register
-from .sequence_parallel import decayed_conv_entering
+from .sequence_parallel import SliceConvolutions, decayed_linear_attention_entering
 from .short_conv import ShortConvolution
 
 
@@ -63,70 +63,84 @@ class Mamba2(Mixer):
         self.norm = RMSNorm(self.inner, eps=norm_eps)
 
     @property
-    def halo(self) -> int:
-        """How many tokens before a slice its convolution reads."""
+    def conv_reach(self) -> int:
+        """How many inputs before a token its one convolution reads (``conv_size − 1``)."""
         return self.conv.halo
 
     def check_sequence_parallel(self, size: int, slice_len: int) -> None:
-        if slice_len < self.halo:
+        if slice_len < self.conv_reach:
             raise ValueError(f"a slice of {slice_len} tokens is shorter than mamba2's convolution reach "
-                             f"({self.halo} tokens): use fewer sequence ranks or a smaller conv_size")
+                             f"({self.conv_reach} tokens): use fewer sequence ranks or a smaller conv_size")
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
-        packed = cu_seqlens is not None
         if position_ids is None:
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
-        features, dt = self._features(x), self._dt(x)
-        convolved = self.conv(features, position_ids=position_ids)  # zeros before a slice: see below
-        values, q, k, v, g = self._heads(convolved, dt, packed=packed)
+        dt = self._dt(x)
         initial = None
-        if self.sequence is not None:  # the earlier slices' state, and their last features for the first tokens
-            self.check_sequence_parallel(self.sequence.size, seq_len)
-            initial, before = decayed_conv_entering(k, v, g, features, position_ids, self.sequence,
-                                                    cu_seqlens.numel() - 1, halo=self.halo,
-                                                    head_keys_values=self._head_keys_values, head_extras=[dt])
-            first = self.conv(features[:, :self.halo], position_ids=position_ids[:, :self.halo], before=before)
-            values, q, k, v, g = self._heads(torch.cat([first, convolved[:, self.halo:]], dim=1), dt, packed=packed)
+        if self.sequence is None:
+            values, q, k, v, g = self._op_inputs(self.convolved(self.projections(x), position_ids), dt)
+        else:
+            values, q, k, v, g, initial = self._on_slice(x, dt, cu_seqlens, position_ids)
+        if cu_seqlens is not None:  # the op's packed layout, [1, B·T, ...]
+            q, k, v, g = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v, g))
         y = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
                                      chunk_size=self.chunk_size, impl=self.impl)
         return self._output(x, y.view(batch, seq_len, *y.shape[2:]), values)
 
+    def _on_slice(self, x, dt, cu_seqlens, position_ids):
+        """``_op_inputs`` on this rank's slice, and the state entering each of its packed documents. The state reads the
+        values before Δ (``keys_values``): Δ rides beside them, as it does not depend on the previous slice."""
+        self.check_sequence_parallel(self.sequence.size, x.shape[1])
+        convolutions = SliceConvolutions(self, x, position_ids, self.sequence)
+        values, q, k, v, g = self._op_inputs(convolutions.early, dt)
+        initial, packet = decayed_linear_attention_entering(k, values, g, position_ids, self.sequence,
+                                                            cu_seqlens.numel() - 1, value_scale=dt,
+                                                            convolutions=convolutions)
+        # the first conv_size − 1 tokens again, now with the previous rank's halo
+        return *self._op_inputs(convolutions.final(packet), dt), initial
+
     def forward_with_state(self, x, state):
         """The state is the op's ``S [B, H, N, P]`` and the convolution's last ``conv_size − 1`` inputs."""
         attn_state, before = state if state is not None else (None, None)
-        features = self._features(x)
-        values, q, k, v, g = self._heads(self.conv(features, before=before), self._dt(x))
+        (features,) = self.projections(x)
+        convolved = self.conv(features, before=before)
+        values, q, k, v, g = self._op_inputs([convolved], self._dt(x))
         impl = "recurrent" if x.shape[1] == 1 else self.impl  # one decoded token: no chunks to set up
         y, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
                                                  chunk_size=self.chunk_size, impl=impl)
         return self._output(x, y, values), (attn_state, self.conv.tail(features, before))
 
-    def _features(self, x):
-        """The convolution's inputs ``(x, B, C)`` side by side, ``[B, T, inner + 2N]``."""
-        return torch.cat([self.v_proj(x), self.k_proj(x), self.q_proj(x)], dim=-1)
+    def projections(self, x):
+        """The convolution's one input, ``(x, B, C)`` side by side ``[B, T, inner + 2N]``."""
+        return [torch.cat([self.v_proj(x), self.k_proj(x), self.q_proj(x)], dim=-1)]
+
+    def convolved(self, inputs, position_ids=None, before=None):
+        return [self.conv(inputs[0], position_ids=position_ids, before=None if before is None else before[0])]
+
+    def keys_values(self, convolved, position_ids):
+        """The keys B per head and the values x before Δ scales them (Δ rides beside them on a sequence slice)."""
+        values, k, _ = self._heads(convolved)
+        return k, values
 
     def _dt(self, x):
         """The step per token and head, ``softplus(x W_dt + dt_bias)``, ``[B, T, H]``."""
         return F.softplus(self.dt_proj(x) + self.dt_bias)
 
-    def _heads(self, convolved, dt, *, packed=False):
-        """From the convolved ``(x, B, C)`` and ``dt``: the values ``[B, T, H, P]`` and the op's q, k, v, g
-        (``[1, B·T, ...]`` when ``packed``)."""
+    def _heads(self, convolved):
+        """From the convolved ``[(x, B, C)]``: the values ``[B, T, H, P]``, the keys B and the queries C per head
+        ``[B, T, H, N]``."""
+        (convolved,) = convolved
         batch, seq_len, _ = convolved.shape
         values, keys, queries = convolved.split([self.inner, self.state_size, self.state_size], dim=-1)
-        values = values.view(batch, seq_len, self.num_heads, self.head_dim)
-        g = dt * -self.A_log.exp()  # log-decay dt·A ≤ 0
-        shape = (1, batch * seq_len) if packed else (batch, seq_len)
-        heads = (*shape, self.num_heads, self.state_size)
-        q, k = (t.reshape(*shape, 1, self.state_size).expand(heads) for t in (queries, keys))
-        v = (values * dt[..., None]).reshape(*shape, self.num_heads, self.head_dim)
-        return values, q, k, v, g.reshape(*shape, self.num_heads)
+        heads = (batch, seq_len, self.num_heads, self.state_size)
+        k, q = (t.reshape(batch, seq_len, 1, self.state_size).expand(heads) for t in (keys, queries))
+        return values.view(batch, seq_len, self.num_heads, self.head_dim), k, q
 
-    def _head_keys_values(self, features, before, positions, dt):
-        """k, v of a slice's first tokens from their features, the halo ``before`` them, positions and dt."""
-        _, _, k, v, _ = self._heads(self.conv(features, position_ids=positions, before=before), dt)
-        return k, v
+    def _op_inputs(self, convolved, dt):
+        """The values (for D's skip) and the op's q, k, v = x·Δ and log-decay g = Δ·A ≤ 0."""
+        values, k, q = self._heads(convolved)
+        return values, q, k, values * dt[..., None], dt * -self.A_log.exp()
 
     def _output(self, x, y, values):
         """The D skip, the gated RMSNorm and the output projection."""

@@ -20,7 +20,7 @@ from .base import Mixer
 from .common import token_positions
 from .norm import RMSNorm
 from .registry import register
-from .sequence_parallel import decayed_conv_entering
+from .sequence_parallel import SliceConvolutions, decayed_linear_attention_entering
 
 DECAYS = ("retnet", "lightning")
 
@@ -68,7 +68,6 @@ class Retention(Mixer):
         self.decay, self.layer_index, self.num_layers = decay, layer_index, num_layers
         self.gate_proj = nn.Linear(dim, dim, bias=False)
         self.group_norm = RMSNorm(self.head_dim, eps=norm_eps)
-        self.reach = max(short_conv - 1, 0)  # tokens before a slice (or a decoded piece) the convolutions read
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The fixed per-head log-decay ``[H]`` on ``x``'s device, fp32 at least. Made from the options at each call
@@ -83,68 +82,55 @@ class Retention(Mixer):
         batch, seq_len, _ = x.shape
         if position_ids is None:
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
-        features = self._features(x)
-        convolved = self._convolved(features, position_ids)
-        q, k, v = self._heads(convolved, position_ids)  # zeros before a slice: see below
         g = self.log_decay(x)
+        initial = None
+        if self.sequence is None:
+            q, k, v = self._rotated(*self.qkv(x, position_ids=position_ids), position_ids)
+        else:
+            q, k, v, initial = self._on_slice(x, g, cu_seqlens, position_ids)
         if cu_seqlens is not None:
             q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
-        initial = None
-        if self.sequence is not None:  # the earlier slices' state, and their last features for the first tokens
-            self.check_sequence_parallel(self.sequence.size, seq_len)
-            initial, before = decayed_conv_entering(k, v, g.expand(*k.shape[:3]), features, position_ids,
-                                                    self.sequence, cu_seqlens.numel() - 1, halo=self.reach,
-                                                    head_keys_values=self._head_keys_values)
-            if self.reach:
-                first = self._convolved(features[:, :self.reach], position_ids[:, :self.reach], before)
-                q, k, v = self._heads(torch.cat([first, convolved[:, self.reach:]], dim=1), position_ids)
-                q, k, v = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, k, v))
         o = decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, initial_state=initial,
                                      chunk_size=self.chunk_size, impl=self.impl)
         return self._output(x, o.view(batch, seq_len, *o.shape[2:]))
 
+    def _on_slice(self, x, g, cu_seqlens, position_ids):
+        """The op's q, k, v ``[B, T, H, D]`` on this rank's slice, and the state entering each of its packed
+        documents."""
+        self.check_sequence_parallel(self.sequence.size, x.shape[1])
+        convolutions = SliceConvolutions(self, x, position_ids, self.sequence)
+        q, k, v = self._rotated(*self.split(convolutions.early), position_ids)
+        initial, packet = decayed_linear_attention_entering(k, v, g.expand(*k.shape[:3]), position_ids,
+                                                            self.sequence, cu_seqlens.numel() - 1,
+                                                            convolutions=convolutions)
+        if self.short_conv:  # the first K − 1 tokens again, now with the previous rank's halo
+            q, k, v = self._rotated(*self.split(convolutions.final(packet)), position_ids)
+        return q, k, v, initial
+
     def forward_with_state(self, x, state):
-        """The state is the op's ``S [B, H, D, D]``, the convolution's last ``short_conv − 1`` inputs (None without
-        one) and the number of tokens seen (RoPE's next position)."""
+        """The state is the op's ``S [B, H, D, D]``, the short convolutions' tails (None without ``short_conv``) and
+        the number of tokens seen (RoPE's next position)."""
         batch, seq_len, _ = x.shape
-        attn_state, before, seen = state if state is not None else (None, None, 0)
-        features = self._features(x)
+        attn_state, tails, seen = state if state is not None else (None, None, 0)
         positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
-        q, k, v = self._heads(self._convolved(features, None, before), positions)
-        g = self.log_decay(x)
+        (q, k, v), tails = self.qkv_continuing(x, tails)
+        q, k, v = self._rotated(q, k, v, positions)
         impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up
-        o, attn_state = decayed_linear_attention(q, k, v, g, initial_state=attn_state, output_final_state=True,
-                                                 chunk_size=self.chunk_size, impl=impl)
-        tail = None
-        if self.short_conv:  # the convolutions' last inputs, oldest first
-            tail = torch.cat([before if before is not None else features.new_zeros(batch, self.reach, 3 * self.dim),
-                              features], dim=1)[:, seq_len:]
-        return self._output(x, o), (attn_state, tail, seen + seq_len)
+        o, attn_state = decayed_linear_attention(q, k, v, self.log_decay(x), initial_state=attn_state,
+                                                 output_final_state=True, chunk_size=self.chunk_size, impl=impl)
+        return self._output(x, o), (attn_state, tails, seen + seq_len)
 
-    def _features(self, x):
-        """q, k, v side by side ``[B, T, 3·C]``: what the short convolutions (if any) mix."""
-        return torch.cat(self.projections(x), dim=-1)
+    def keys_values(self, convolved, position_ids):
+        _, k, v = self._rotated(*self.split(convolved), position_ids)
+        return k, v
 
-    def _convolved(self, features, position_ids=None, before=None):
-        """q, k, v side by side through the base class's short convolutions (unchanged without ``short_conv``);
-        ``before [B, K − 1, 3·C]``: the inputs just before these (None: zeros)."""
-        parts = list(features.chunk(3, dim=-1))
-        return torch.cat(self.convolved(parts, position_ids, None if before is None else before.chunk(3, dim=-1)),
-                         dim=-1)
-
-    def _heads(self, convolved, position_ids):
-        """q, k, v ``[B, T, H, D]`` from the (convolved) features: k scaled by ``D^{−1/2}``, q and k rotated (if
-        asked)."""
-        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim)) for t in convolved.chunk(3, dim=-1))
+    def _rotated(self, q, k, v, position_ids):
+        """q, k, v ``[B, T, H, D]`` as the op reads them: k scaled by ``D^{−1/2}``, q and k rotated at their positions
+        (if asked)."""
         k = k * self.head_dim ** -0.5
         if self.rope:
             q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
         return q, k, v
-
-    def _head_keys_values(self, features, before, positions):
-        """k, v of a slice's first tokens from their features, the halo ``before`` them and their positions."""
-        _, k, v = self._heads(self._convolved(features, positions, before), positions)
-        return k, v
 
     def _output(self, x, o):
         """The per-head norm, the swish gate and the output projection."""

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..ops.decayed_linear_attention.state import combine_decayed_states, decayed_state_of_tokens, log_decay_after
+from ..ops.decayed_linear_attention.state import combine_decayed_states, decayed_state_of_tokens
 from ..ops.delta_rule.state import combine_transitions, transition_of_tokens
 from ..ops.linear_attention.state import FIELDS, LinearAttentionState, combine_states, state_of_tokens
 from ..parallel import SequenceShard, exchange_with_earlier_ranks, slice_layout
@@ -86,77 +86,32 @@ def linear_attention_entering(k: torch.Tensor, v: torch.Tensor, position_ids: to
 
 
 def decayed_linear_attention_entering(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, position_ids: torch.Tensor,
-                                      shard: SequenceShard, normalize: str, num_docs: int, *,
-                                      shared: Sequence[torch.Tensor] = ()
+                                      shard: SequenceShard, num_docs: int, *, value_scale: torch.Tensor | None = None,
+                                      convolutions: "SliceConvolutions | None" = None
                                       ) -> tuple[LinearAttentionState, list[torch.Tensor]]:
-    """``states_entering_slice`` for decayed linear attention (g packed ``[1, B·T, H]`` like k): each slice hands on
-    its tail document's state and total log-decay, whose empty values are zeros; the log-decay is dropped once
-    folded."""
-    rows = position_ids.shape
-    g_rows = g.reshape(*rows, g.shape[-1])
-    fields = len(FIELDS[normalize])
+    """``states_entering_slice`` for decayed linear attention without a normalizer (``g`` rows ``[B, T, H]`` ride
+    beside k and v): the state (``S``) per packed document, and the gathered shared tensors. Each slice hands on its
+    tail document's ``S`` and total log-decay ``G``, whose empty values are zeros; G is dropped once folded.
+    ``value_scale [B, T, H]`` (mamba2's Δ) rides too: the state's values are ``v · value_scale``."""
 
-    def state_of(k, v, mask):
-        state, log_decay = decayed_state_of_tokens(k, v, g_rows, mask, normalize)
-        return [*state[:fields], log_decay]
+    def state_of(k, v, mask, g, scale=None):
+        state, log_decay = decayed_state_of_tokens(k, v if scale is None else v * scale[..., None], g, mask, "none")
+        return [state.S, log_decay]
 
     def combine(earlier, later):
-        state, log_decay = combine_decayed_states((LinearAttentionState(*earlier[:-1]), earlier[-1]),
-                                                  (LinearAttentionState(*later[:-1]), later[-1]))
-        return [*state[:fields], log_decay]
+        state, log_decay = combine_decayed_states((LinearAttentionState(earlier[0]), earlier[1]),
+                                                  (LinearAttentionState(later[0]), later[1]))
+        return [state.S, log_decay]
 
-    initial, shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
-                                            empty=[0.0] * (fields + 1), num_docs=num_docs, shared=shared)
-    return LinearAttentionState(*initial[:-1]), shared
-
-
-
-def decayed_conv_entering(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, features: torch.Tensor,
-                          position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, halo: int,
-                          head_keys_values: Callable, head_extras: Sequence[torch.Tensor] = ()
-                          ) -> tuple[LinearAttentionState, torch.Tensor]:
-    """``decayed_linear_attention_entering`` (``normalize="none"``) for a mixer whose keys and values come out of a
-    causal convolution reaching ``halo`` tokens back over ``features [B, T, C]``; k, v, g packed ``[1, B·T, ...]``,
-    computed with zeros before the slice. Returns the initial state of each packed document and ``before
-    [B, halo, C]``, the previous slice's last features (zeros where the row's first document starts here), with
-    which the mixer recomputes its first ``halo`` tokens.
-
-    The halo travels in the states' packet, one all-gather: a slice hands on its state *without* the first tokens
-    whose convolution reaches back into the previous slice (their k, v here are wrong), and sends those tokens'
-    features, positions, ``head_extras`` (per-token inputs ``[B, T, ...]`` of ``head_keys_values`` besides the
-    features) and weights ``exp(log-decay after them)``, beside its last ``halo`` features. Folding the slices in
-    order, a rank recomputes each earlier slice's missing tokens with
-    ``head_keys_values(features, before, positions, *extras) -> (k, v) [B, halo, H, *]`` from the halo of the
-    slice before it, and adds them to that slice's state before the combine rule. A slice whose tail document
-    begins inside it has no such tokens, so the fold's restart there needs no correction.
-    """
-    if halo == 0:
-        return decayed_linear_attention_entering(k, v, g, position_ids, shard, "none", num_docs)[0], features[:, :0]
-    layout = slice_layout(position_ids)
-    rows, head = position_ids.shape, slice(0, halo)
-    k, v, g = (t.reshape(*rows, *t.shape[2:]) for t in (k, v, g))
-    reaches_back = (position_ids[:, head] > torch.arange(halo, device=k.device)) & layout.tail[:, head]
-    keep = torch.cat([~reaches_back, reaches_back.new_ones(rows[0], rows[1] - halo)], dim=1)
-    state, log_decay = decayed_state_of_tokens(k * keep[..., None, None], v, g, layout.tail, "none")
-    weights = log_decay_after(g.to(state.S.dtype), layout.tail)[:, head].exp() * reaches_back[..., None]
-    handed_on = [state.S, log_decay, features[:, rows[1] - halo:], features[:, head], position_ids[:, head],
-                 *(extra[:, head] for extra in head_extras), weights]
-
-    def combine(earlier, later):
-        S, log_decay, before = earlier[:3]
-        S_later, log_decay_later, _, features, positions, *extras, weights = later
-        k, v = head_keys_values(features, before, positions.round().long(), *extras)
-        S_later = S_later + torch.einsum("bth,bthk,bthv->bhkv", weights, k.to(weights.dtype), v.to(weights.dtype))
-        S = combine_decayed_states((LinearAttentionState(S), log_decay),
-                                   (LinearAttentionState(S_later), log_decay_later))[0].S
-        return [S, log_decay + log_decay_later, *later[2:]]
-
-    initial, _ = entering_states(handed_on, layout, shard, combine, [0.0] * len(handed_on), num_docs)
-    return LinearAttentionState(initial[0]), initial[2][layout.first_doc]
+    riders = [g] if value_scale is None else [g, value_scale]
+    (initial, _), shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of, combine=combine,
+                                                 empty=[0.0, 0.0], num_docs=num_docs, convolutions=convolutions,
+                                                 riders=riders)
+    return LinearAttentionState(initial), shared
 
 
 class SliceConvolutions:
-    """A mixer's short convolutions of q, k, v on a sequence slice, sharing the all-gather that carries the states.
+    """A mixer's short convolutions on a sequence slice, sharing the all-gather that carries the states.
 
     A token's convolution reads the ``K − 1`` inputs before it, so a slice's first ``K − 1`` tokens read the previous
     rank's last ones (its halo), which arrive only with that all-gather. Before it, the convolutions run with a zero
@@ -164,11 +119,15 @@ class SliceConvolutions:
     ``K − 1`` tokens (``own``). Their inputs travel in the packet beside the halo (``packet``), and every rank
     computes every earlier rank's state of them from the gathered copies (``first_states_from``), put in front of
     that rank's state before the fold. After it, ``final`` runs the convolutions again with the real halo.
+
+    The mixer says what it convolves and what its state reads of it: ``projections(x)`` (the convolutions' inputs,
+    ``[B, T, C_i]`` each), ``convolved(inputs, position_ids, before)``, ``conv_reach`` (``K − 1``) and
+    ``keys_values(convolved, position_ids)`` (the k and v that ``state_of`` reads).
     """
 
     def __init__(self, mixer, x: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard):
         self.mixer, self.position_ids, self.shard = mixer, position_ids, shard
-        self.reach = max(mixer.short_conv - 1, 0)
+        self.reach = mixer.conv_reach
         self.inputs = mixer.projections(x)
         self.early = mixer.convolved(self.inputs, position_ids)
 
@@ -177,7 +136,7 @@ class SliceConvolutions:
         return mask & (torch.arange(mask.shape[1], device=mask.device) >= self.reach)
 
     def packet(self, tail: torch.Tensor, riders: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
-        """What the all-gather carries: the first and the last ``K − 1`` inputs of q, k and v, and the first tokens'
+        """What the all-gather carries: the first and the last ``K − 1`` of each input, and the first tokens'
         positions, whether they belong to the tail (the document the slice hands on) and their ``riders``."""
         first, last = slice(0, self.reach), slice(tail.shape[1] - self.reach, tail.shape[1])
         return [*(t[:, first] for t in self.inputs), *(t[:, last] for t in self.inputs),
@@ -189,24 +148,28 @@ class SliceConvolutions:
         own, which its positions never reach: its rows start documents)."""
         if not self.reach:
             return None
+        count = len(self.inputs)
 
         def first_states(gathered: list[torch.Tensor]) -> list[torch.Tensor]:
             packet = gathered[offset:]
-            size, batch = packet[0].shape[:2]
-            halos = [torch.cat([last[:1], last[:-1]]).flatten(0, 1) for last in packet[3:6]]
-            convolved = self.mixer.convolved([first.flatten(0, 1) for first in packet[:3]],
-                                             packet[6].flatten(0, 1).long(), halos)
-            _, k, v = self.mixer.features(*self.mixer.split(convolved))
-            fields = state_of(k, v, packet[7].flatten(0, 1) > 0.5, *(r.flatten(0, 1) for r in packet[8:]))
+            firsts, lasts = packet[:count], packet[count:2 * count]
+            positions, tail, riders = packet[2 * count], packet[2 * count + 1], packet[2 * count + 2:]
+            size, batch = positions.shape[:2]
+            positions = positions.flatten(0, 1).long()
+            halos = [torch.cat([last[:1], last[:-1]]).flatten(0, 1) for last in lasts]
+            convolved = self.mixer.convolved([first.flatten(0, 1) for first in firsts], positions, halos)
+            k, v = self.mixer.keys_values(convolved, positions)
+            fields = state_of(k, v, tail.flatten(0, 1) > 0.5, *(r.flatten(0, 1) for r in riders))
             return [field.unflatten(0, (size, batch)) for field in fields]
 
         return first_states
 
     def final(self, gathered_packet: list[torch.Tensor]) -> list[torch.Tensor]:
-        """q, k, v ``[B, T, C]`` convolved with the previous rank's halo, from the gathered ``packet``."""
+        """The inputs convolved with the previous rank's halo (``[B, T, C_i]`` each), from the gathered ``packet``."""
         if not self.reach:
             return self.early
-        halos = [from_previous_rank(last, self.shard) for last in gathered_packet[3:6]]
+        count = len(self.inputs)
+        halos = [from_previous_rank(last, self.shard) for last in gathered_packet[count:2 * count]]
         return self.mixer.convolved(self.inputs, self.position_ids, halos)
 
 
