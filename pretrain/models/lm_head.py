@@ -65,8 +65,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x = torch.zeros_like(x) if wants_x else None
         grad_w = torch.zeros_like(weight, dtype=accumulate) if wants_w else None
         rows, targets, scored = x, labels, None
-        if not x.is_cuda:  # only the scored rows (a recall task scores one in ten): on CUDA, picking them would
-            scored = (labels != ignore_index).nonzero().squeeze(1)  # cost a host sync per micro-batch
+        if x.device.type == "cpu":  # only the scored rows (a recall task scores one in ten): on CUDA, picking
+            scored = (labels != ignore_index).nonzero().squeeze(1)  # them would cost a host sync per micro-batch
             rows, targets = x[scored], labels[scored]
         grad_rows = None if grad_x is None else (grad_x if scored is None else torch.empty_like(rows))
         step = max(1, LOGITS_PER_CHUNK // weight.shape[0])
