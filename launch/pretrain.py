@@ -10,6 +10,7 @@
 Relaunching the same command on a run directory with checkpoints resumes it.
 """
 import argparse
+import atexit
 import errno
 import json
 import os
@@ -77,5 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     return PREEMPTED if stopped else 0  # a stop signal: saved, not finished (a scheduler requeues on it)
 
 
+def leave(code: int):
+    """End a process whose run has finished (its files closed, its process group left) without the interpreter's
+    teardown, after Python's exit handlers: gloo's threads can still abort that teardown ("terminate called without
+    an active exception", exit -6), and did on 2-rank ZeRO-3 runs that had saved and finished."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    trained = sys.modules.get("pretrain.train.preemption")  # imported when a run was set up
+    if trained is not None and code in (0, trained.PREEMPTED):  # finished, or stopped and saved; errors exit as usual
+        leave(code)
+    sys.exit(code)
