@@ -29,6 +29,14 @@ def check_offsets(cu_seqlens: torch.Tensor, length: int) -> int:
     return len(offsets) - 1
 
 
+def stream_offsets(batch: int, length: int, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Long offsets of the documents of ``[B, T]`` tokens read as one stream of B·T: ``cu_seqlens`` when they are
+    packed, else each row a document of its own (the chunked ops' layout)."""
+    if cu_seqlens is None:
+        return torch.arange(batch + 1, device=device) * length
+    return cu_seqlens.to(device=device, dtype=torch.long)
+
+
 def document_slices(cu_seqlens: torch.Tensor) -> list[slice]:
     """``cu_seqlens`` (int offsets, 0 … T) as one slice per document along the token axis."""
     offsets = cu_seqlens.tolist()

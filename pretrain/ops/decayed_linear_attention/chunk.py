@@ -20,6 +20,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..documents import stream_offsets
 from ..linear_attention.chunk import Chunks
 from ..linear_attention.normalize import normalized
 from ..linear_attention.runs import gather_runs
@@ -39,10 +40,7 @@ def chunked_core(q, k, v, initial, cu_seqlens, output_final, *, g, chunk_size):
     sequence's (document's) final ``S``."""
     batch, length, heads, _ = q.shape
     total = batch * length
-    if cu_seqlens is None:
-        cu = torch.arange(batch + 1, device=q.device) * length  # rows of a batch are documents of one stream
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    cu = stream_offsets(batch, length, cu_seqlens, q.device)
     q, k, v = (x.reshape(total, heads, x.shape[-1]) for x in (q, k, v))
     g = g.to(q.dtype).reshape(total, heads)
     chunks = Chunks(cu, total, chunk_size)

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from ..documents import causal_same_document, chunked_document_ids
+from ..documents import causal_same_document, chunked_document_ids, stream_offsets
 from .normalize import normalized
 from .runs import gather_runs, repack, unpack
 
@@ -32,10 +32,7 @@ def chunked_core(q, k, v, initial, cu_seqlens, output_final, *, chunk_size):
     """Causal ``o_t = q_tᵀ S_t`` over ``[B, T, H, *]`` and, if asked, each sequence's final ``S``."""
     batch, length, heads, _ = q.shape
     total = batch * length
-    if cu_seqlens is None:
-        cu = torch.arange(batch + 1, device=q.device) * length  # rows of a batch are documents of one stream
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    cu = stream_offsets(batch, length, cu_seqlens, q.device)
     q, k, v = (x.reshape(total, heads, x.shape[-1]) for x in (q, k, v))
     chunks = Chunks(cu, total, chunk_size)
     padded_initial = None if initial is None else torch.cat([initial, torch.zeros_like(initial[:1])])  # row N: padding
