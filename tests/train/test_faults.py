@@ -220,9 +220,18 @@ def test_a_kill_during_a_save_leaves_a_partial_tag_the_relaunch_removes_and_resu
     process = start(tiny_overrides(lm_data, run, **overrides))
     ckpts = run / "checkpoints"
     wait_for(lambda: checkpoint.latest_tag(ckpts) == "step00000010", process, "checkpoint at step 10")
-    (ckpts / "step00000015").mkdir()
-    os.mkfifo(ckpts / "step00000015" / "client_state_rank00000.tmp")
-    wait_for(lambda: wchan(process.pid) in ("wait_for_partner", "fifo_open"), process, "save of step 15")
+
+    def held_in_the_save_of_step_15() -> bool:
+        # The step-10 save prunes partial tags after it moves ``latest``: a FIFO planted in that moment is removed
+        # with its tag (CI saw it once), so it is planted again until the trainer waits on it.
+        try:
+            (ckpts / "step00000015").mkdir(exist_ok=True)
+            os.mkfifo(ckpts / "step00000015" / "client_state_rank00000.tmp")
+        except OSError:  # planted already, or its tag is being pruned this instant
+            pass
+        return wchan(process.pid) in ("wait_for_partner", "fifo_open")
+
+    wait_for(held_in_the_save_of_step_15, process, "save of step 15")
     assert (ckpts / "step00000015" / "mp_rank_00_model_states.pt").exists()
     kill_session(process)
     process.communicate(timeout=30)
