@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Does a linear LM use long context? A softmax, a linear (elu+1) and an InLine tiny LM (4 layers, width 256, the
-# configs of configs/tiny_lm.yaml and configs/lm/{linear,inline}_tiny.yaml), each trained at 2,048 tokens for 500
+# Does a linear LM use long context? Tiny LMs (4 layers, width 256: configs/tiny_lm.yaml for softmax,
+# configs/lm/<mixer>_tiny.yaml for linear (elu+1), inline, mamba2, gated_deltanet and the 3:1 gated DeltaNet +
+# softmax hybrid), each trained at 2,048 tokens for 500
 # steps of 2 rows on one CPU thread, then scored per document position by tools/context_position.py under windows
 # of 16, 64, 256, 2,048 and 24,576 tokens (longer than any held-out document). Data: War and Peace
 # (../shared/data/text/warandpeace.txt, Project Gutenberg). Books One to Fourteen, one document each (33k–103k tokens), train; Book Fifteen and the two
@@ -37,14 +38,19 @@ for split in train test; do
   [ -f "$OUT/$split/manifest.json" ] || $PY tools/make_shards.py text --input "$OUT/$split.jsonl" \
       --tokenizer "$OUT/tok.model" --out "$OUT/$split" --docs-per-shard 100
 done
-for mixer in softmax linear inline; do
+# MIXERS names the runs to train (a run with a checkpoint is kept) and score; the JSON keeps the rows of the others
+# (--add), so mixers can join the table later at the same budget.
+MIXERS=${MIXERS:-softmax linear inline mamba2 gated_deltanet gdn_hybrid}
+for mixer in $MIXERS; do
   config=configs/lm/${mixer}_tiny.yaml
   [ "$mixer" = softmax ] && config=configs/tiny_lm.yaml
+  [ -f "$OUT/runs/$mixer/checkpoints/latest" ] && continue
   OMP_NUM_THREADS=1 $PY launch/pretrain.py --config "$config" run.dir="$OUT/runs/$mixer" \
       data.tokenizer="$OUT/tok.model" data.train_shards="$OUT/train" data.val_shards=null data.num_workers=0 \
       train.seq_len=2048 train.micro_batch_size=2 train.max_steps=500 log.every=10 checkpoint.every=100
 done
-OMP_NUM_THREADS=1 $PY tools/context_position.py --run softmax="$OUT/runs/softmax" linear="$OUT/runs/linear" \
-    inline="$OUT/runs/inline" \
-    --data "$OUT/test" --contexts 16 64 256 2048 24576 \
+ADD=()
+[ -f benchmarks/context_position_cpu.json ] && ADD=(--add)
+OMP_NUM_THREADS=1 $PY tools/context_position.py --run $(for m in $MIXERS; do echo "$m=$OUT/runs/$m"; done) \
+    --data "$OUT/test" --contexts 16 64 256 2048 24576 "${ADD[@]}" \
     --json benchmarks/context_position_cpu.json --plot benchmarks/context_position_cpu.png

@@ -104,11 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", type=Path, help="write every score here (rewritten after each)")
     parser.add_argument("--plot", type=Path, help="draw nll against position here (.png)")
+    parser.add_argument("--add", action="store_true",
+                        help="keep the rows of other labels already in --json: runs added to a table scored before, "
+                             "which must score the same tokens at each context")
     args = parser.parse_args(argv)
     if min(args.contexts) < 4:
         parser.error(f"--contexts: a window needs at least 4 tokens, got {min(args.contexts)}")
+    if args.add and not (args.json and args.json.exists()):
+        parser.error("--add keeps the rows of an earlier --json: pass --json naming one that exists")
 
-    rows = []
+    labels = {label for label, _ in args.run}
+    rows = [row for row in json.loads(args.json.read_text()) if row["label"] not in labels] if args.add else []
+    kept_tokens = {row["context"]: row["tokens"] for row in rows}
     for label, run in args.run:
         for context in args.contexts:
             print(f"{label} @{context}: scoring {run}", file=sys.stderr)
@@ -116,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 result = score(run, context, args)
             except (OSError, ValueError) as err:
                 print(f"error: {label}={run}: {err}", file=sys.stderr)
+                return 1
+            if kept_tokens.get(context, result["tokens"]) != result["tokens"]:
+                print(f"error: {label} @{context} scored {result['tokens']:,} tokens, the rows kept from {args.json} "
+                      f"{kept_tokens[context]:,}: not the same documents (--data, --txt-docs or the tokenizer "
+                      f"differ)", file=sys.stderr)
                 return 1
             rows.append({"label": label, "run": run, "context": context, **result})
             if args.json:  # after every score, so a failure later keeps what was scored

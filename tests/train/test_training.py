@@ -206,6 +206,17 @@ def test_context_position_scores_every_context_as_eval_ppl_does(zero_run, lm_dat
                               "--contexts", "16"], cwd=REPO, capture_output=True, text=True)
     assert refused.returncode == 2 and "expected LABEL=RUN_DIR" in refused.stderr
 
+    add = [PYTHON, "tools/context_position.py", "--run", f"again={run}", "--data", lm_data["held_out"], "--contexts",
+           "16", "--json", str(tmp_path / "ctx.json"), "--add"]
+    added = subprocess.run(add, cwd=REPO, capture_output=True, text=True)
+    assert added.returncode == 0, added.stderr[-4000:]
+    grown = json.loads((tmp_path / "ctx.json").read_text())
+    assert [(r["label"], r["context"]) for r in grown] == [("tiny", 16), ("tiny", 64), ("again", 16)]
+    assert grown[2]["nll"] == rows[0]["nll"] and "| tiny @16 | tiny @64 | again @16 |" in added.stdout
+    (tmp_path / "ctx.json").write_text(json.dumps([dict(r, tokens=r["tokens"] + 1) for r in rows]))
+    mismatched = subprocess.run(add, cwd=REPO, capture_output=True, text=True)
+    assert mismatched.returncode == 1 and "not the same documents" in mismatched.stderr, mismatched.stderr[-3000:]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
