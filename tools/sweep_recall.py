@@ -138,11 +138,12 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per number
-    of pairs at the trained length (where Zoology draws it; other lengths are in the table)."""
+    """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per trained
+    (length, pairs) setting (where Zoology draws it; the settings beyond them are in the table)."""
     plt = benchlib.pyplot()
-    trained, table = rows[0]["train_seq_len"], summary(rows)
-    settings = [(seq_len, pairs) for seq_len, pairs in settings_of(rows) if seq_len == trained] or settings_of(rows)
+    table = summary(rows)
+    trained = sorted({(r["seq_len"], r["num_pairs"]) for row in rows for r in row["results"] if r["trained"]})
+    settings = trained or settings_of(rows)
     mixers = list(dict.fromkeys(mixer for mixer, _ in table))
     fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings), 3.4), sharey=True, squeeze=False)
     for ax, (seq_len, pairs) in zip(axes[0], settings):
