@@ -1,5 +1,8 @@
-"""Small pieces the mixers share: the head split, packed-document positions, projection FLOPs."""
+"""Small pieces the mixers share: the head split, packed-document positions, projection FLOPs, Mamba-2's decay init."""
+import math
+
 import torch
+from torch import nn
 
 from ..ops.documents import document_positions
 
@@ -29,3 +32,19 @@ def check_heads(dim: int, num_heads: int) -> int:
 def projection_flops(dim: int, count: int) -> float:
     """Forward FLOPs per token of ``count`` dim×dim projections (a multiply-add = 2)."""
     return 2.0 * dim * dim * count
+
+
+def mamba2_decay_init(name: str, num_heads: int, *, dt_min: float, dt_max: float, a_init_range, dt_init_floor: float
+                      ) -> tuple[nn.Parameter, nn.Parameter]:
+    """Mamba-2's per-head decay parameters ``(A_log, dt_bias)`` (``mamba2``'s and ``gated_deltanet``'s): dt
+    log-uniform in ``[dt_min, dt_max]``, stored through softplus's inverse, and A uniform in ``a_init_range``, so the
+    log-decay ``−A·softplus(· + dt_bias)`` starts near ``−A·dt`` per token. ``name`` is the mixer the errors name."""
+    if not 0 < dt_min <= dt_max:
+        raise ValueError(f"{name}: need 0 < dt_min ≤ dt_max; got dt_min={dt_min}, dt_max={dt_max}")
+    low, high = a_init_range
+    if not 0 < low <= high:
+        raise ValueError(f"{name}: a_init_range must be 0 < low ≤ high; got {tuple(a_init_range)}")
+    dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_init_floor)
+    dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+    return nn.Parameter(torch.empty(num_heads).uniform_(low, high).log()), dt_bias

@@ -5,7 +5,6 @@ name. As flash-linear-attention's layers: the base class's SiLU short convolutio
 v; q and k L2-normalized per head, q scaled by ``D^{-1/2}``; ``β = sigmoid(W_β x)`` per head; the gate's log-decay
 ``g = −exp(A_log)·softplus(W_α x + dt_bias)``; the output RMSNorm per head, times ``SiLU(W_g x)``.
 """
-import math
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +13,7 @@ from torch import nn
 from ..ops.delta_rule import delta_rule
 from ..ops.precision import upcast
 from .base import Mixer
+from .common import mamba2_decay_init
 from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import SliceConvolutions, delta_rule_entering
@@ -28,7 +28,8 @@ class DeltaNet(Mixer):
     supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, gate: bool = False, short_conv: int = 4,
-                 chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False):
+                 chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False,
+                 dt_min: float | None = None, dt_max: float | None = None, a_init_range=None):
         if not causal:
             raise ValueError("deltanet and gated_deltanet are causal only (their state is a recurrence); build them "
                              "with causal=True")
@@ -37,11 +38,16 @@ class DeltaNet(Mixer):
         self.beta_proj = nn.Linear(dim, num_heads, bias=False)
         self.out_gate_proj = nn.Linear(dim, dim, bias=False)
         self.out_norm = RMSNorm(self.head_dim)
-        if gate:  # Mamba-2's decay parametrisation, as Gated DeltaNet's: A in [1, 16], dt in [0.001, 0.1]
+        decay_init = {"dt_min": dt_min, "dt_max": dt_max, "a_init_range": a_init_range}
+        if not gate and any(value is not None for value in decay_init.values()):
+            raise ValueError(f"deltanet: {', '.join(k for k, v in decay_init.items() if v is not None)} set the "
+                             "gate's decay, and this one has no gate (gated_deltanet, or gate: true)")
+        if gate:  # Mamba-2's decay parametrisation, as Gated DeltaNet's: by default A in [1, 16], dt in [0.001, 0.1]
             self.decay_proj = nn.Linear(dim, num_heads, bias=False)
-            self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(1, 16).log())
-            dt = torch.empty(num_heads).uniform_(math.log(0.001), math.log(0.1)).exp().clamp(min=1e-4)
-            self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+            self.A_log, self.dt_bias = mamba2_decay_init(
+                "gated_deltanet", num_heads, dt_min=0.001 if dt_min is None else dt_min,
+                dt_max=0.1 if dt_max is None else dt_max, a_init_range=a_init_range or (1.0, 16.0),
+                dt_init_floor=1e-4)
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape
@@ -104,6 +110,8 @@ class GatedDeltaNet(DeltaNet):
     """``deltanet`` with the gate on by default (the name configs use for Gated DeltaNet)."""
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, gate: bool = True, short_conv: int = 4,
-                 chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False):
+                 chunk_size: int = 64, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False,
+                 dt_min: float | None = None, dt_max: float | None = None, a_init_range=None):
         super().__init__(dim, num_heads, causal=causal, gate=gate, short_conv=short_conv, chunk_size=chunk_size,
-                         impl=impl, qkv_bias=qkv_bias, o_bias=o_bias)
+                         impl=impl, qkv_bias=qkv_bias, o_bias=o_bias, dt_min=dt_min, dt_max=dt_max,
+                         a_init_range=a_init_range)

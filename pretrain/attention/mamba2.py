@@ -7,7 +7,6 @@ group, all heads), the gate ``z`` and the step ``dt`` per head; a short causal c
 op with q = C, k = B (broadcast over heads), v = x·dt and the log-decay g = dt·A; then the gated RMSNorm
 ``norm(y ⊙ silu(z))`` and the output projection.
 """
-import math
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ from torch import nn
 
 from ..ops.decayed_linear_attention import decayed_linear_attention
 from .base import Mixer
-from .common import token_positions
+from .common import mamba2_decay_init, token_positions
 from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import SliceConvolutions, decayed_linear_attention_entering
@@ -40,11 +39,6 @@ class Mamba2(Mixer):
             raise ValueError("mamba2 is a causal recurrence; it has no non-causal form (build it with causal=True)")
         if expand < 1 or (expand * dim) % num_heads:
             raise ValueError(f"mamba2: expand·dim = {expand}·{dim} must split into num_heads = {num_heads} heads")
-        if not 0 < dt_min <= dt_max:
-            raise ValueError(f"mamba2: need 0 < dt_min ≤ dt_max; got dt_min={dt_min}, dt_max={dt_max}")
-        low, high = a_init_range
-        if not 0 < low <= high:
-            raise ValueError(f"mamba2: a_init_range must be 0 < low ≤ high; got {tuple(a_init_range)}")
         self.inner, self.state_size, self.chunk_size, self.impl = expand * dim, state_size, chunk_size, impl
         self.head_dim = self.inner // num_heads  # the values' width per head, P
         self.q_proj = nn.Linear(dim, state_size, bias=qkv_bias)   # C
@@ -54,11 +48,8 @@ class Mamba2(Mixer):
         self.dt_proj = nn.Linear(dim, num_heads, bias=False)      # dt, before its bias
         self.o_proj = nn.Linear(self.inner, dim, bias=o_bias)
         self.conv = ShortConvolution(self.inner + 2 * state_size, conv_size, activation="silu", bias=True)
-        # Mamba-2's init: dt log-uniform in [dt_min, dt_max] through softplus's inverse, A uniform in the range
-        dt = torch.exp(torch.rand(num_heads) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = dt.clamp(min=dt_init_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
-        self.A_log = nn.Parameter(torch.empty(num_heads).uniform_(low, high).log())
+        self.A_log, self.dt_bias = mamba2_decay_init("mamba2", num_heads, dt_min=dt_min, dt_max=dt_max,
+                                                     a_init_range=a_init_range, dt_init_floor=dt_init_floor)
         self.D = nn.Parameter(torch.ones(num_heads))
         self.norm = RMSNorm(self.inner, eps=norm_eps)
 

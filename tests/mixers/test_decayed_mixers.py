@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pretrain.attention import build_mixer
 from pretrain.attention.retnet import alibi_slopes, lightning_log_decay, retnet_log_decay
 from pretrain.ops import apply_rope
 
@@ -84,6 +85,21 @@ def test_decay_schedules():
     first, last = lightning_log_decay(4, 0, 8), lightning_log_decay(4, 7, 8)
     torch.testing.assert_close(first, -alibi_slopes(4) * (1 + 1e-5))
     assert torch.all(last > first) and torch.all(last < 0)
+
+
+def test_the_gate_starts_where_its_options_say():
+    """``gated_deltanet`` and ``mamba2`` share Mamba-2's init: dt log-uniform in [dt_min, dt_max] (through
+    softplus's inverse), A uniform in a_init_range; the ungated ``deltanet`` refuses the gate's options by name."""
+    for name in ("gated_deltanet", "mamba2"):
+        mixer = build_mixer(name, DIM, HEADS, causal=True, options={"dt_min": 1e-4, "dt_max": 2e-4,
+                                                                    "a_init_range": (2.0, 3.0)})
+        dt, A = F.softplus(mixer.dt_bias.double()), mixer.A_log.double().exp()
+        assert torch.all((dt > 1e-4 * (1 - 1e-5)) & (dt < 2e-4 * (1 + 1e-5))), (name, dt)
+        assert torch.all((A >= 2 - 1e-6) & (A <= 3 + 1e-6)), (name, A)
+        with pytest.raises(ValueError, match=f"{name}: need 0 < dt_min ≤ dt_max"):
+            build_mixer(name, DIM, HEADS, causal=True, options={"dt_min": 0.1, "dt_max": 0.01})
+    with pytest.raises(ValueError, match="deltanet: dt_max set the gate's decay, and this one has no gate"):
+        build_mixer("deltanet", DIM, HEADS, causal=True, options={"dt_max": 0.01})
 
 
 def test_the_lm_hands_each_layer_its_place():
