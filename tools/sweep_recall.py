@@ -106,11 +106,12 @@ def settings_of(rows: list[dict]) -> list[tuple[int, int]]:
 
 
 def summary(rows: list[dict]) -> dict[tuple[str, int], dict]:
-    """Per (mixer, width): the state bytes and the mean accuracy over seeds at each (seq_len, pairs) setting."""
+    """Per (preset, width): the state bytes and the mean accuracy over seeds at each (seq_len, pairs) setting. A
+    preset is the config's file name: two configs of one mixer (linear with and without short_conv) stay apart."""
     grouped = defaultdict(list)
     for row in rows:
         if row.get("kept", True):
-            grouped[row["mixer"], row["dim"]].append(row)
+            grouped[Path(row["config"]).stem, row["dim"]].append(row)
     table = {}
     for key, group in grouped.items():
         accuracy, state = defaultdict(list), {}
@@ -126,7 +127,7 @@ def summary(rows: list[dict]) -> dict[tuple[str, int], dict]:
 
 def markdown_table(rows: list[dict]) -> str:
     settings, table = settings_of(rows), summary(rows)
-    head = ["mixer", "dim", "lr", "seeds", "state bytes (train len)"] + [f"T={t} N={n}" for t, n in settings]
+    head = ["preset", "dim", "lr", "seeds", "state bytes (train len)"] + [f"T={t} N={n}" for t, n in settings]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     trained = rows[0]["train_seq_len"]
     for (mixer, dim), entry in table.items():

@@ -42,7 +42,7 @@ def test_trains_scores_tabulates_plots_and_resumes(tmp_path):
     assert state["softmax"] == [2 * 2 * 32 * 16 * 4] * 2 + [2 * 2 * 64 * 16 * 4] * 2  # K and V per layer, fp32
     assert len(set(state["linear"])) == 1  # a fixed-size state at any length
     table = first.stdout.strip().splitlines()
-    assert table[0].startswith("| mixer | dim | lr | seeds | state bytes") and len(table) == 2 + 2
+    assert table[0].startswith("| preset | dim | lr | seeds | state bytes") and len(table) == 2 + 2
     assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     train_logs = {path: path.read_text() for path in out.glob("*/train.log")}
