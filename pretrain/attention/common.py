@@ -34,6 +34,10 @@ def projection_flops(dim: int, count: int) -> float:
     return 2.0 * dim * dim * count
 
 
+# Mamba-2's default decay init (its paper's and its reference code's): dt log-uniform in [0.001, 0.1], A in [1, 16].
+MAMBA2_DT_MIN, MAMBA2_DT_MAX, MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR = 0.001, 0.1, (1.0, 16.0), 1e-4
+
+
 def mamba2_decay_init(name: str, num_heads: int, *, dt_min: float, dt_max: float, a_init_range, dt_init_floor: float
                       ) -> tuple[nn.Parameter, nn.Parameter]:
     """Mamba-2's per-head decay parameters ``(A_log, dt_bias)`` (``mamba2``'s and ``gated_deltanet``'s): dt

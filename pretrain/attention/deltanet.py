@@ -13,7 +13,7 @@ from torch import nn
 from ..ops.delta_rule import delta_rule
 from ..ops.precision import upcast
 from .base import Mixer
-from .common import mamba2_decay_init
+from .common import MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR, MAMBA2_DT_MAX, MAMBA2_DT_MIN, mamba2_decay_init
 from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import SliceConvolutions, delta_rule_entering
@@ -42,12 +42,13 @@ class DeltaNet(Mixer):
         if not gate and any(value is not None for value in decay_init.values()):
             raise ValueError(f"deltanet: {', '.join(k for k, v in decay_init.items() if v is not None)} set the "
                              "gate's decay, and this one has no gate (gated_deltanet, or gate: true)")
-        if gate:  # Mamba-2's decay parametrisation, as Gated DeltaNet's: by default A in [1, 16], dt in [0.001, 0.1]
+        if gate:  # Mamba-2's decay parametrisation, as Gated DeltaNet's, with Mamba-2's defaults
             self.decay_proj = nn.Linear(dim, num_heads, bias=False)
             self.A_log, self.dt_bias = mamba2_decay_init(
-                "gated_deltanet", num_heads, dt_min=0.001 if dt_min is None else dt_min,
-                dt_max=0.1 if dt_max is None else dt_max, a_init_range=a_init_range or (1.0, 16.0),
-                dt_init_floor=1e-4)
+                "gated_deltanet", num_heads, dt_min=MAMBA2_DT_MIN if dt_min is None else dt_min,
+                dt_max=MAMBA2_DT_MAX if dt_max is None else dt_max,
+                a_init_range=MAMBA2_A_INIT_RANGE if a_init_range is None else a_init_range,
+                dt_init_floor=MAMBA2_DT_INIT_FLOOR)
 
     def forward(self, x, *, cu_seqlens=None, position_ids=None, hw=None):
         batch, seq_len, _ = x.shape

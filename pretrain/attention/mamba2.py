@@ -14,7 +14,8 @@ from torch import nn
 
 from ..ops.decayed_linear_attention import decayed_linear_attention
 from .base import Mixer
-from .common import mamba2_decay_init, token_positions
+from .common import (MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR, MAMBA2_DT_MAX, MAMBA2_DT_MIN, mamba2_decay_init,
+                     token_positions)
 from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import SliceConvolutions, decayed_linear_attention_entering
@@ -31,8 +32,9 @@ class Mamba2(Mixer):
     supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, expand: int = 2, state_size: int = 64,
-                 conv_size: int = 4, dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
-                 a_init_range: tuple[float, float] = (1.0, 16.0), norm_eps: float = 1e-5, chunk_size: int = 64,
+                 conv_size: int = 4, dt_min: float = MAMBA2_DT_MIN, dt_max: float = MAMBA2_DT_MAX,
+                 dt_init_floor: float = MAMBA2_DT_INIT_FLOOR,
+                 a_init_range: tuple[float, float] = MAMBA2_A_INIT_RANGE, norm_eps: float = 1e-5, chunk_size: int = 64,
                  impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False):
         super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
         if not causal:
