@@ -156,7 +156,7 @@ def _check_mask(attention_mask: torch.Tensor | None, shape: torch.Size, *, decod
     if decoding and not mask.all():
         raise ValueError("PretrainForCausalLM decodes rows of equal length only: the attention mask has padding. "
                          "Generate prompts of different lengths one at a time (a left pad would enter the "
-                         "recurrent states)")
+                         "recurrent states); in lm-evaluation-harness, run generative tasks with --batch_size 1")
     if (mask[:, 1:] > mask[:, :-1]).any():
         raise ValueError("attention_mask has a pad before a real token (left padding or a hole): pad on the right, "
                          "or score the rows one at a time")
