@@ -6,9 +6,11 @@ from pretrain.attention import REGISTRY
 from pretrain.config import Config, ModelConfig
 from pretrain.models import build_lm
 
-# every causal mixer registered, so a new one is tested without a change here, and a hybrid of three kinds
+# every causal mixer registered, so a new one is tested without a change here; a hybrid of the decayed and
+# delta-rule states with softmax's cache; and, last (the hybrid other tests take), one of three older kinds
 CAUSAL_MIXERS = sorted(name for name, cls in REGISTRY.items() if cls.supports_causal)
-PATTERNS = [[name] for name in CAUSAL_MIXERS] + [["linear", "softmax", "inline"]]
+PATTERNS = [[name] for name in CAUSAL_MIXERS] + [["gated_deltanet", "mamba2", "retnet", "softmax"],
+                                                 ["linear", "softmax", "inline"]]
 
 
 def random_lm(pattern: list[str], vocab_size: int, seed: int = 0, **model):
