@@ -31,6 +31,10 @@ def config(*overrides):
       "train.seq_len=8", "parallel.sequence_parallel=2"], "shorter than the 5 tokens before it that AFTLocal reads"),
     (["model.mixer=gated_deltanet", "model.mixer_options.gated_deltanet.short_conv=8", "train.seq_len=8",
       "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the 7 tokens before it that GatedDeltaNet"),
+    (["model.mixer=retnet", "model.mixer_options.retnet.short_conv=8", "train.seq_len=8",
+      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the 7 tokens before it that Retention"),
+    (["model.mixer=mamba2", "model.mixer_options.mamba2.conv_size=8", "train.seq_len=8",
+      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than mamba2's convolution reach (7 tokens)"),
     (["model.layer_pattern=[linear,aft_full]", "model.mixer_options.aft_full.max_seq_len=64",
       "parallel.sequence_parallel=2"], "mixer 'aft_full' cannot split rows into 2 slices"),
 ])
