@@ -14,8 +14,14 @@ from torch import nn
 
 from ..ops.decayed_linear_attention import decayed_linear_attention
 from .base import Mixer
-from .common import (MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR, MAMBA2_DT_MAX, MAMBA2_DT_MIN, mamba2_decay_init,
-                     token_positions)
+from .common import (
+    MAMBA2_A_INIT_RANGE,
+    MAMBA2_DT_INIT_FLOOR,
+    MAMBA2_DT_MAX,
+    MAMBA2_DT_MIN,
+    mamba2_decay_init,
+    token_positions,
+)
 from .norm import RMSNorm
 from .registry import register
 from .sequence_parallel import SliceConvolutions, decayed_linear_attention_entering
