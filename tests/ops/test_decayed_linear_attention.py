@@ -1,10 +1,12 @@
 """Every form of decayed linear attention equals the O(T²) definition (docs/MIXERS.md#decay): outputs, final states
 and the gradients of q, k, v, the log-decay g and the initial state, in fp64 at 1e-10, for a constant decay per head
-and a gate per token and head; the chunked form stays finite where the cumulative log-decay reaches −10⁴; bad
-inputs and the combinations decay does not support fail by name."""
+and a gate per token and head; the chunked form stays finite where the cumulative log-decay reaches −10⁴ and keeps
+only its inputs and a state per block of chunks for backward; bad inputs and the combinations decay does not support
+fail by name."""
 import pytest
 import torch
 
+from pretrain.ops.decayed_linear_attention import chunk as chunk_module
 from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.linear_attention.state import LinearAttentionState
 
@@ -89,6 +91,42 @@ def test_long_sequence_with_deep_cumulative_decay_stays_finite_and_exact():
         assert torch.isfinite(x).all()
     for x, ref in zip(got, results("recurrent", [q, k, v, g], None)):
         torch.testing.assert_close(x, ref, **TOL)
+
+
+@pytest.mark.parametrize("normalize", ["none", "divisive"])
+def test_blocks_of_one_chunk_each_recomputed_on_its_own(monkeypatch, normalize):
+    """Blocks of a single chunk, each run again with autograd in backward and handing its state to the next, equal
+    the definition: packed documents, initial states in, final states out, every gradient."""
+    batch, T, offsets = SHAPES["documents"]
+    cu = torch.tensor(offsets)
+    tensors = inputs(batch, T, per_token=True)
+    state = initial_states(cu.numel() - 1, normalize)
+    want = results("naive", tensors, state, normalize=normalize, cu_seqlens=cu)
+    monkeypatch.setattr(chunk_module, "BLOCK_ELEMENTS", 1)
+    for got, ref in zip(results("chunk", tensors, state, normalize=normalize, cu_seqlens=cu), want):
+        torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize("normalize", ["none", "divisive"])
+def test_chunk_keeps_its_inputs_and_one_state_for_backward(normalize):
+    """Backward keeps q, k, v and g, 4·(2D + Dv + 1) bytes per token and head in fp32 (divisive: v with the
+    denominator's column of ones, Dv + 1 wide, and the quotient and denominator kept outside the core, 4·(Dv + 1)
+    more), and one D×Dv state per head and block of chunks (one block here): none of the C×C decay and weight
+    matrices nor the T/C chunk states, so the bytes do not depend on the chunk size. (Autograd through the chunks
+    kept 3× as much.)"""
+    T, H, D = 256, 2, 32
+    q, k, v, g = (x.float().detach().requires_grad_() for x in inputs(1, T, per_token=True, heads=H, dk=D, dv=D))
+
+    def saved_bytes(chunk_size):
+        held = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+            decayed_linear_attention(q, k, v, g, normalize=normalize, impl="chunk", chunk_size=chunk_size)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    dv = D + (normalize == "divisive")  # v, augmented with the denominator's column of ones
+    per_token = 4 * (2 * D + dv + 1) + (4 * dv if normalize == "divisive" else 0)
+    bound = T * H * per_token + H * D * dv * 4
+    assert saved_bytes(4) == saved_bytes(64) == bound
 
 
 def test_gradcheck_fp64():

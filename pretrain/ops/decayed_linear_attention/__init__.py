@@ -104,9 +104,10 @@ def _checked_decay(g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if tuple(g.shape) not in ((heads,), (batch, length, heads)):
         raise ValueError(f"g (the log-decay) must be [H] = [{heads}] or [B, T, H] = [{batch}, {length}, {heads}]; "
                          f"got {tuple(g.shape)}")
-    if not bool(torch.isfinite(g).all()) or bool((g > 0).any()):
+    values = g.detach()  # a check: no graph (isfinite's abs would record one, saving g)
+    if not bool(torch.isfinite(values).all()) or bool((values > 0).any()):
         raise ValueError("g is a log-decay: every value must be finite and ≤ 0 (exp(g) in (0, 1]); got "
-                         f"min {g.min().item():.3g}, max {g.max().item():.3g}")
+                         f"min {values.min().item():.3g}, max {values.max().item():.3g}")
     return g.expand(batch, length, heads)
 
 

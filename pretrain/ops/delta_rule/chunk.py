@@ -17,15 +17,18 @@ document), the tokens of a chunk's first document read the carried state, and a 
 chunk reads its own initial state there (a gather of its few tokens).
 
 Memory: the chunks are walked in blocks, each run without autograd and recomputed once in backward
-(``_Recomputed``), so backward keeps per block only its inputs (q, k, v, β, g, already held by the caller; fp32
+(``ops/recompute.py``), so backward keeps per block only its inputs (q, k, v, β, g, already held by the caller; fp32
 copies for bf16) and the state entering it. Plain autograd through the solve would keep C-wide
 rows of the C×C factors and W, U, Δ per token and head besides: 7× the inputs at C = Dk = Dv = 64 (MIXERS.md).
 """
+from functools import partial
+
 import torch
 
 from ..linear_attention.chunk import BLOCK_ELEMENTS, Chunks
 from ..linear_attention.runs import gather_runs
 from ..precision import upcast
+from ..recompute import bounded_blocks, in_blocks
 
 
 def delta_rule_chunk(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
@@ -43,46 +46,14 @@ def delta_rule_chunk(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fina
     given = zeros.expand(layout.num_docs, -1, -1, -1) if initial_state is None else initial_state.to(q.dtype)
     initial = torch.cat([given, zeros])  # row N: what follows the last document
     state = initial[layout.first_doc]
-    saving = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, beta, g, initial))
     blocks = layout.blocks(heads, max(dk, v.shape[-1]))
-    sizes = [min(hi * chunk_size, total) - lo * chunk_size for lo, hi in blocks]
-    pieces = zip(*(x.split(sizes) for x in (q, k, v, beta, g)))  # one gradient buffer each in backward
-    outputs, finals = [], []
-    for (lo, hi), piece in zip(blocks, pieces):
-        settings = (initial_state is not None, output_final_state, layout, lo, hi)
-        o, state, *final = _Recomputed.apply(settings, *piece, state, initial) if saving else _block(
-            *piece, state, initial, *settings)
-        outputs.append(o)
-        finals += final
-    o = torch.cat(outputs)[:total].view(batch, length, heads, -1).to(dtype)
+    block = partial(_block, has_initial=initial_state is not None, want_final=output_final_state, layout=layout)
+    o, _, finals = in_blocks(block, blocks, chunk_size, (q, k, v, beta, g), state, initial)
+    o = o.view(batch, length, heads, -1).to(dtype)
     return (o, torch.cat(finals)) if output_final_state else o
 
 
-class _Recomputed(torch.autograd.Function):
-    """A block of chunks run without autograd; backward runs it again with autograd and differentiates that, so its
-    C×C factors, Δ and chunk states exist only during its own backward. (``torch.utils.checkpoint``'s non-reentrant
-    form kept 4× the memory through the forward at T = 16k; the reentrant one refuses ``torch.autograd.grad``.)"""
-
-    @staticmethod
-    def forward(ctx, settings, *tensors):
-        ctx.settings = settings
-        ctx.save_for_backward(*tensors)
-        ctx.set_materialize_grads(False)
-        return _block(*tensors, *settings)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        tensors = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])]
-        with torch.enable_grad():
-            outputs = _block(*tensors, *ctx.settings)
-        used = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
-        wanted = [t for t in tensors if t.requires_grad]
-        found = iter(torch.autograd.grad([out for out, _ in used], wanted, [grad for _, grad in used],
-                                         allow_unused=True) if used and wanted else [None] * len(wanted))
-        return None, *(next(found) if t.requires_grad else None for t in tensors)
-
-
-def _block(q, k, v, beta, g, entering, initial, has_initial, want_final, layout: "_Layout", lo: int, hi: int):
+def _block(lo: int, hi: int, q, k, v, beta, g, entering, initial, *, has_initial, want_final, layout: "_Layout"):
     """Chunks ``lo … hi-1`` (their tokens ``q, k, v, beta, g``, ``[≤ (hi − lo)·C, H, *]``) from ``entering`` (the
     state of chunk lo's first document before it) → their outputs as ``[(hi − lo)·C, H, Dv]`` rows, the state
     entering chunk hi and, when ``want_final``, the final states of the documents ending in them."""
@@ -172,8 +143,7 @@ class _Layout(Chunks):
         self.next_begins_inside = self.feeds_next[:, 0, :, 0].any(1) & ~self.carries
 
     def blocks(self, heads: int, width: int) -> list[tuple[int, int]]:
-        step = max(1, BLOCK_ELEMENTS // (heads * self.size * max(self.size, width)))
-        return [(lo, min(lo + step, self.count)) for lo in range(0, self.count, step)]
+        return bounded_blocks(self.count, heads, self.size, width, BLOCK_ELEMENTS)
 
     def beginning_inside(self, lo: int, hi: int):
         """The documents that begin inside (not at the start of) chunks ``lo … hi-1``; the block-local index of
