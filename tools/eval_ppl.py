@@ -48,7 +48,8 @@ def word_units(text: str) -> int:
 
 def documents(paths: list[str], tokenizer, allow_pipe: bool, txt_docs: str = "paragraphs"):
     """(tokens with eos, UTF-8 bytes, word units) of every document named by ``paths``; text files are cut into
-    documents and tokenized as ``make_shards.py text`` does."""
+    documents and tokenized as ``make_shards.py text`` does; shards written with another tokenizer are refused
+    (a ``ShardError`` naming the shard and both sha256), as training refuses them."""
     import numpy as np
 
     from pretrain.data import read_documents
@@ -56,7 +57,7 @@ def documents(paths: list[str], tokenizer, allow_pipe: bool, txt_docs: str = "pa
 
     for path in paths:
         if is_shards(path):
-            for doc in read_documents(path, allow_pipe=allow_pipe):
+            for doc in read_documents(path, allow_pipe=allow_pipe, tokenizer_sha256=tokenizer.sha256):
                 yield doc.tokens, doc.num_bytes, word_units(tokenizer.decode(doc.tokens[:-1]))
         else:
             if not Path(path).is_file():

@@ -62,8 +62,12 @@ def _tokens(sample: dict, url: str) -> np.ndarray:
                      "(not a text shard?)")
 
 
-def iter_shard_documents(url: str, sha256: str | None = None) -> Iterator[Document]:
-    for sample in iter_samples(url, sha256):
+def iter_shard_documents(url: str, sha256: str | None = None, tokenizer_sha256: str | None = None
+                         ) -> Iterator[Document]:
+    """A shard's documents; checks the tokenizer its first sample records if ``tokenizer_sha256`` is given."""
+    for i, sample in enumerate(iter_samples(url, sha256)):
+        if i == 0 and tokenizer_sha256 is not None:
+            _check_sample_tokenizer(sample, url, tokenizer_sha256)
         try:
             num_bytes = int(json.loads(sample["json"])["num_bytes"])
         except (KeyError, ValueError, TypeError):
@@ -76,14 +80,19 @@ def iter_shard_tokens(url: str, sha256: str | None = None, tokenizer_sha256: str
     """Just the token arrays, for training (which needs no byte counts); checks the tokenizer if given."""
     for i, sample in enumerate(iter_samples(url, sha256)):
         if i == 0 and tokenizer_sha256 is not None:
-            try:
-                recorded = json.loads(sample["json"]).get("tokenizer_sha256")
-            except (KeyError, ValueError, AttributeError):
-                recorded = None
-            if recorded != tokenizer_sha256:
-                raise ShardError(f"shard {url} was written with tokenizer sha256 {recorded}, "
-                                 f"but this run's tokenizer is {tokenizer_sha256}")
+            _check_sample_tokenizer(sample, url, tokenizer_sha256)
         yield _tokens(sample, url)
+
+
+def _check_sample_tokenizer(sample: dict, url: str, tokenizer_sha256: str) -> None:
+    """A shard must record ``tokenizer_sha256`` in its first sample (a streamed shard has no manifest at hand)."""
+    try:
+        recorded = json.loads(sample["json"]).get("tokenizer_sha256")
+    except (KeyError, ValueError, AttributeError):
+        recorded = None
+    if recorded != tokenizer_sha256:
+        raise ShardError(f"shard {url} was written with tokenizer sha256 {recorded}, "
+                         f"but this run's tokenizer is {tokenizer_sha256}")
 
 
 def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
@@ -107,17 +116,22 @@ def check_tokenizer(urls: list[str], tokenizer_sha256: str) -> None:
                              f"({os.path.join(directory, MANIFEST)}), but this run's tokenizer is {tokenizer_sha256}")
 
 
-def read_documents(pattern: str, *, allow_pipe: bool = False) -> Iterator[Document]:
-    """Every document of the shards, in shard order, unshuffled (for evaluation)."""
-    yield from read_shard_documents(expand_shards(pattern, allow_pipe=allow_pipe))
+def read_documents(pattern: str, *, allow_pipe: bool = False, tokenizer_sha256: str | None = None
+                   ) -> Iterator[Document]:
+    """Every document of the shards, in shard order, unshuffled (for evaluation); with ``tokenizer_sha256``, shards
+    written with another tokenizer are refused before any is read (``check_tokenizer``), as training refuses them."""
+    yield from read_shard_documents(expand_shards(pattern, allow_pipe=allow_pipe), tokenizer_sha256)
 
 
-def read_shard_documents(urls: list[str]) -> Iterator[Document]:
+def read_shard_documents(urls: list[str], tokenizer_sha256: str | None = None) -> Iterator[Document]:
     """``read_documents`` of URLs already expanded (a trainer validating often expands its pattern once), each
-    shard checked against the sha256 its manifest records."""
+    shard checked against the sha256 its manifest records, and against ``tokenizer_sha256`` when given (local shards
+    by their manifest before the first is read, streamed ones by their first sample)."""
+    if tokenizer_sha256 is not None:
+        check_tokenizer(urls, tokenizer_sha256)
     checksums = recorded_checksums(urls)
     for url in urls:
-        yield from iter_shard_documents(url, checksums.get(url))
+        yield from iter_shard_documents(url, checksums.get(url), tokenizer_sha256)
 
 
 # ---------------------------------------------------------------- writing

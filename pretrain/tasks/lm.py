@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from pretrain.config import ConfigError, train_shard_sources
 from pretrain.data import MixtureLoader, Tokenizer, TokenLoader
 from pretrain.data.shards import expand_shards
-from pretrain.data.text_shards import read_shard_documents
+from pretrain.data.text_shards import check_tokenizer, read_shard_documents
 
 from . import TokenRowsTask, verify_training_shards
 from .lm_scoring import IGNORE, batch_nll, score_documents
@@ -37,6 +37,7 @@ class LMTask(TokenRowsTask):
         try:
             self.val_urls = (expand_shards(cfg.data.val_shards, allow_pipe=cfg.data.allow_pipe)
                              if cfg.data.val_shards else [])
+            check_tokenizer(self.val_urls, self.tokenizer.sha256)  # at the start, not at the first validation
         except (OSError, ValueError) as err:
             raise ConfigError("data.val_shards", str(err)) from None
         self.sequence = world.sequence  # under sequence parallelism, the ranks of a group share rows
@@ -80,7 +81,7 @@ class LMTask(TokenRowsTask):
     def validate(self, model, device) -> dict[str, float]:
         """Mean NLL per token over the validation documents (at most ``log.val_batches`` batches per rank)."""
         world, t = self.world, self.cfg.train
-        documents = (doc.tokens for i, doc in enumerate(read_shard_documents(self.val_urls))
+        documents = (doc.tokens for i, doc in enumerate(read_shard_documents(self.val_urls, self.tokenizer.sha256))
                      if i % world.data_size == world.data_rank)
         scores = score_documents(model, documents, seq_len=t.seq_len, stride=t.seq_len,
                                  batch_size=t.micro_batch_size, eos_id=self.tokenizer.eos_id, device=device,

@@ -17,6 +17,7 @@ copy is removed after the load. The client state (step, counters, data cursor) i
 import argparse
 import contextlib
 import io
+import logging
 import re
 import shutil
 import sys
@@ -190,6 +191,33 @@ def _repair_universal_load(engine, settings: list[dict]) -> None:
             state["step"] = state["step"].clone()
 
 
+# DeepSpeed's universal load says this on every rank when no model-parallel unit is given: this trainer has no
+# tensor parallelism, so a tensor-parallel size of 1 is right and the warning only noise.
+NO_MPU_WARNING = "MPU is not provided, setting tp size to 1 in checkpoint loading."
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+@contextlib.contextmanager
+def _without_deepspeed_warning(message: str):
+    """DeepSpeed's logger drops exactly ``message`` inside the block; anything else it says still shows."""
+    from deepspeed.utils import logger
+
+    dropping = _DropMessage(message)
+    logger.addFilter(dropping)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropping)
+
+
 def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
     """Restore model, optimizer and LR scheduler from ``tag`` (default: ``latest``), on the number of ranks that
     wrote it or another (``resharded_s`` in the returned state: the seconds the conversion took, or None); return
@@ -219,7 +247,8 @@ def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
         if error:
             raise CheckpointError(error)
         load_dir, load_tag = ckpt_dir / tag, "universal"
-    loaded, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
+    with _without_deepspeed_warning(NO_MPU_WARNING):
+        loaded, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     if load_tag == "universal":

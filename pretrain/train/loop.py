@@ -6,6 +6,7 @@ non-finite steps).
 """
 import contextlib
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from itertools import chain
@@ -34,7 +35,7 @@ from . import checkpoint, run_lock
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
 from .preemption import PREEMPTED, StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
-from .run_dir import prepare_run_dir
+from .run_dir import check_relaunch, prepare_run_dir
 from .run_tokenizer import pin_tokenizer
 from .schedule import Plan
 
@@ -185,8 +186,7 @@ class Trainer:
         for line in elastic_resume_lines(resumed, self.layout()):
             self.writer.print(line)
         if self.counters.step >= self.cfg.train.max_steps:
-            raise ConfigError("train.max_steps", f"{self.cfg.train.max_steps} is not past the resumed step "
-                                                 f"{self.counters.step}: nothing to train; raise it to continue")
+            raise ConfigError("train.max_steps", not_past(self.cfg.train.max_steps, self.counters.step))
         replanned = self.schedule.resume(resumed.get("schedule"), self.counters.step)
         if replanned:
             reapply_lr_schedule(self.engine)
@@ -338,9 +338,35 @@ def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:
     return lines
 
 
+def finished_step(cfg: DictConfig) -> int | None:
+    """The step of the run's latest checkpoint when ``train.max_steps`` is that step: the run is finished and a
+    relaunch has nothing to do (None otherwise). Decided from the ``latest`` tag alone, before any process group,
+    engine or load, writing nothing; a config that changes the run is refused first, as a resume refuses it, and a
+    ``max_steps`` below the step raises the ``ConfigError`` a resume would raise after loading."""
+    run_dir = Path(cfg.run.dir)
+    step = checkpoint.tag_step(checkpoint.latest_tag(run_dir / "checkpoints"))
+    if step is None or step < cfg.train.max_steps:
+        return None
+    check_relaunch(cfg)
+    if step > cfg.train.max_steps:
+        raise ConfigError("train.max_steps", not_past(cfg.train.max_steps, step))
+    return step
+
+
+def not_past(max_steps: int, step: int) -> str:
+    return f"{max_steps} is not past the resumed step {step}: nothing to train; raise it to continue"
+
+
 def train(cfg: DictConfig) -> bool:
     """Train the run ``cfg`` describes, resuming from ``RUN_DIR/checkpoints`` when it holds a checkpoint; return
-    whether a stop signal ended it early (saved: ``launch/pretrain.py`` exits with ``PREEMPTED``)."""
+    whether a stop signal ended it early (saved: ``launch/pretrain.py`` exits with ``PREEMPTED``). A run already at
+    ``train.max_steps`` is left untouched (rank 0 says so in one line; False: finished)."""
+    finished = finished_step(cfg)
+    if finished is not None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"run.dir {cfg.run.dir} already finished at step {finished} (train.max_steps "
+                  f"{cfg.train.max_steps}); nothing to do", flush=True)
+        return False
     trainer = None
     try:
         trainer = Trainer(cfg)

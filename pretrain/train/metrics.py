@@ -4,6 +4,7 @@ Only rank 0 writes; the values it writes are already reduced over ranks by the l
 """
 import json
 import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -29,10 +30,39 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+class MetricsFileError(OSError):
+    """``metrics.jsonl`` holds a line that is not a logged step before its last one: corruption, not a torn write
+    (an OSError, so the launcher reports it in one line)."""
+
+
+def read_rows(path: Path) -> tuple[list[tuple[str, int]], str | None]:
+    """``(rows, torn)``: each row of ``metrics.jsonl`` as ``(line with its newline, step)``, and the last line when
+    it is not a logged step (a write cut short by a kill or a full disk; None when it is one). Such a line anywhere
+    else is corruption: ``MetricsFileError`` naming the file and the line number."""
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    rows, torn = [], None
+    for i, (number, line) in enumerate(numbered):
+        try:
+            step = json.loads(line)["step"]
+            if not isinstance(step, int):
+                raise TypeError(f"its step is {step!r}")
+        except (ValueError, KeyError, TypeError) as err:
+            if i == len(numbered) - 1:
+                torn = line
+                break
+            raise MetricsFileError(f"{path}, line {number}: not a logged step ({type(err).__name__}: {err}), and "
+                                   f"not the last line (a torn write ends the file): the file is corrupt; repair "
+                                   f"or remove that line, then relaunch") from None
+        rows.append((line + "\n", step))
+    return rows, torn
+
+
 class MetricsWriter:
     """``resume_step``: the step a run resumes from; what an earlier launch logged after it (up to its stop) is
     dropped, from metrics.jsonl and, with tensorboard's ``purge_step``, from the event files, so each step is
-    written once however often the run resumes."""
+    written once however often the run resumes. A last line of metrics.jsonl cut short (a kill or a full disk
+    during its write) is dropped with a one-line warning; a bad line before it is refused (``read_rows``)."""
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
@@ -41,11 +71,15 @@ class MetricsWriter:
         from torch.utils.tensorboard import SummaryWriter
 
         path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
-            with atomic_path(path) as tmp:
-                tmp.write_text("".join(kept))
+        if path.exists():
+            rows, torn = read_rows(path)
+            if torn is not None:
+                print(f"warning: dropped the last line of {path}, cut short by an interrupted write (a kill, a full "
+                      f"disk): {torn[:80]!r}", file=sys.stderr, flush=True)
+            kept = "".join(line for line, step in rows if resume_step is None or step <= resume_step)
+            if kept.encode() != path.read_bytes():  # rows dropped, or a last row without its newline
+                with atomic_path(path) as tmp:
+                    tmp.write_text(kept)
         purge = None if resume_step is None else resume_step + 1
         self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
         self.jsonl = open(path, "a")

@@ -33,9 +33,9 @@ def changed_keys(saved: DictConfig, new: DictConfig) -> list[str]:
                   if old.get(key) != now.get(key) and not key.startswith(MAY_CHANGE) and key not in MAY_CHANGE)
 
 
-def prepare_run_dir(cfg: DictConfig, is_main: bool) -> Path:
-    """Create the run directory and save ``config.yaml``. A run with a checkpoint is resumed by a relaunch, so
-    there a config that changes the run is refused; a run that never saved one takes the new config."""
+def check_relaunch(cfg: DictConfig) -> None:
+    """A run with a checkpoint is resumed by a relaunch, so there a config that changes the run is refused
+    (``ConfigError`` naming the first key); a run that never saved one takes the new config. Reads only."""
     run_dir = Path(cfg.run.dir)
     saved_path = run_dir / "config.yaml"
     if saved_path.exists() and (run_dir / "checkpoints" / "latest").exists():
@@ -43,6 +43,13 @@ def prepare_run_dir(cfg: DictConfig, is_main: bool) -> Path:
         if changed:
             raise ConfigError(changed[0], f"differs from the run's saved {saved_path} (changed: {', '.join(changed)});"
                                           " use a new run.dir, or restore the saved values")
+
+
+def prepare_run_dir(cfg: DictConfig, is_main: bool) -> Path:
+    """Create the run directory and save ``config.yaml``, after ``check_relaunch``."""
+    run_dir = Path(cfg.run.dir)
+    saved_path = run_dir / "config.yaml"
+    check_relaunch(cfg)
     if is_main:
         save_config(cfg, saved_path)
     return run_dir

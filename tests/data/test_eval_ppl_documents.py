@@ -23,3 +23,30 @@ def test_a_txt_file_and_its_shards_give_eval_ppl_the_same_documents(corpus, toke
     for (tokens, num_bytes, words), (shard_tokens, shard_bytes, shard_words) in zip(from_text, from_shards):
         assert np.array_equal(tokens, shard_tokens)
         assert (num_bytes, words) == (shard_bytes, shard_words)
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer(corpus, tmp_path_factory):
+    from pretrain.data import train_tokenizer
+
+    return train_tokenizer(corpus[0], 350, str(tmp_path_factory.mktemp("other_tok") / "tok"))
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_eval_ppl_refuses_shards_of_another_tokenizer_naming_the_shard_and_both_hashes(
+        corpus, tokenizer, other_tokenizer, tmp_path, eval_ppl, streamed):
+    """As training refuses them: the ids of another vocabulary scored by the run's model would end in an IndexError
+    (ids past the embedding) or, worse, in a perplexity of the wrong text. Local shards are checked by their
+    manifest before any is read, streamed ones (``pipe:``) by their first sample."""
+    from pretrain.data.shards import ShardError
+
+    make_text_shards([corpus[0][1]], other_tokenizer.path, str(tmp_path / "shards"), docs_per_shard=40)
+    shard = tmp_path / "shards" / "shard-000000.tar"
+    data = f"pipe:cat {shard}" if streamed else str(tmp_path / "shards")
+    with pytest.raises(ShardError) as refused:
+        list(eval_ppl.documents([data], tokenizer, allow_pipe=True))
+    said = str(refused.value)
+    assert said.startswith(f"shard {data if streamed else shard} was written with tokenizer sha256 "
+                           f"{other_tokenizer.sha256}"), said
+    assert said.endswith(f"but this run's tokenizer is {tokenizer.sha256}") and "\n" not in said, said
+    assert len(list(eval_ppl.documents([data], other_tokenizer, allow_pipe=True))) == (40 if streamed else 150)

@@ -122,3 +122,22 @@ def test_trainer_validation_refuses_a_damaged_shard_naming_it(lm_data, tmp_path)
     task = LMTask(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
     with pytest.raises(ShardError, match=f"{damaged.name} is corrupt"):
         task.validate(task.build_model().eval(), torch.device("cpu"))
+
+
+def test_trainer_refuses_validation_shards_of_another_tokenizer_at_its_start(lm_data, tmp_path):
+    """As the training shards: at the task's start (not at the first validation, hours later), in one line naming
+    the shard and both sha256."""
+    from pretrain.config import ConfigError
+    from pretrain.data import Tokenizer, make_text_shards, train_tokenizer
+
+    other = train_tokenizer([f"{lm_data['root']}/train.jsonl"], 300, str(tmp_path / "other"))
+    make_text_shards([f"{lm_data['root']}/val.jsonl"], other.path, str(tmp_path / "val"), docs_per_shard=50)
+    cfg = load_run_config("configs/tiny_lm.yaml", [f"data.tokenizer={lm_data['tokenizer']}",
+                                               f"data.train_shards={lm_data['train_shards']}",
+                                               f"data.val_shards={tmp_path / 'val'}", "data.num_workers=0"])
+    with pytest.raises(ConfigError) as refused:
+        LMTask(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    said = str(refused.value)
+    assert said.startswith(f"data.val_shards: shard {tmp_path / 'val' / 'shard-000000.tar'} was written with "
+                           f"tokenizer sha256 {other.sha256} "), said
+    assert said.endswith(f"but this run's tokenizer is {Tokenizer(lm_data['tokenizer']).sha256}"), said

@@ -17,8 +17,10 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("launcher,target,workers", [
     ("deepspeed", "launcher", 1),  # the `deepspeed` command forwards nothing: its ranks once trained on as orphans
+    ("deepspeed", "launcher", 0),
     ("deepspeed", "group", 1),     # its per-node launcher SIGTERMs every rank's workers before the rank
     ("torchrun", "launcher", 1),
+    ("torchrun", "launcher", 0),
     ("python", "rank", 0),         # the rank is the process: it must exit with PREEMPTED
 ])
 def test_sigterm_saves_once_on_every_rank_and_leaves_no_process(lm_data, tmp_path, launcher, target, workers):

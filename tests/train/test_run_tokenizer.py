@@ -1,11 +1,12 @@
 """The tokenizer pinned to its run: a file written over the run's tokenizer is refused by the resume, eval_ppl,
-generate, export and train.init_from, each naming both hashes (issue 28, item 4)."""
+generate, export and train.init_from, each naming both hashes (issue 28, item 4); so are shards written with another
+tokenizer, by eval_ppl as by training."""
 import json
 import shutil
 
 import pytest
 
-from pretrain.data import Tokenizer, train_tokenizer
+from pretrain.data import Tokenizer, make_text_shards, train_tokenizer
 
 from launching import launch, tiny_overrides
 
@@ -26,6 +27,14 @@ def test_a_swapped_tokenizer_is_refused_by_the_resume_and_every_tool(lm_data, tm
     assert json.loads((export / "tokenizer_pin.json").read_text())["sha256"] == pinned["sha256"]
 
     other = train_tokenizer([f"{lm_data['root']}/train.jsonl"], 300, str(tmp_path / "retrained"))
+    foreign = tmp_path / "foreign"  # shards written with another tokenizer: refused in one line, as training does
+    make_text_shards([f"{lm_data['root']}/val.jsonl"], other.path, str(foreign), docs_per_shard=50)
+    capsys.readouterr()
+    assert load_tool("eval_ppl").main(["--run", str(run), "--data", str(foreign)]) == 1
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0] == (f"error: shard {foreign / 'shard-000000.tar'} was written with tokenizer "
+                                          f"sha256 {other.sha256} ({foreign / 'manifest.json'}), but this run's "
+                                          f"tokenizer is {pinned['sha256']}"), said
     shutil.copyfile(other.path, tokenizer)
     shutil.copyfile(other.path, export / "tokenizer.model")
 

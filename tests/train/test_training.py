@@ -109,7 +109,8 @@ def test_sigterm_saves_and_relaunch_resumes_exactly(zero_run, lm_data, tmp_path)
 
 def test_a_relaunch_with_more_steps_replans_the_decay_from_where_it_was(zero_run, lm_data, tmp_path):
     """train.max_steps may change on relaunch: the cosine decay goes on from the LR the resumed step had reached
-    down to min_lr at the new max_steps, without a jump, and the relaunch says so; a later relaunch keeps that plan."""
+    down to min_lr at the new max_steps, without a jump, and the relaunch says so; a later relaunch keeps that plan.
+    The finished run relaunched as it is has nothing to do; a lowered max_steps is refused."""
     import shutil
 
     from pretrain.train.schedule import lr_at
@@ -131,6 +132,24 @@ def test_a_relaunch_with_more_steps_replans_the_decay_from_where_it_was(zero_run
     (run / "checkpoints" / "latest").write_text(checkpoint.tag_for(35))  # resumed again: the saved plan holds
     launch([*overrides, f"train.max_steps={2 * STEPS}"], ranks=2)
     assert read_metrics(run)[2 * STEPS]["train/lr"] == pytest.approx(logged[2 * STEPS]["train/lr"], rel=1e-12)
+
+    # the finished run relaunched with the same command: one line, exit 0, decided from `latest` before any engine
+    # is built or checkpoint loaded; a lowered max_steps is refused as early. Nothing of the run changes (run.lock
+    # included: it is not even taken).
+    def files():
+        return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in run.rglob("*") if p.is_file()}
+
+    before = files()
+    again = launch(overrides)
+    assert again.returncode == 0 and "resumed from" not in again.stdout, again.stdout[-3000:]
+    assert (f"run.dir {run} already finished at step {2 * STEPS} (train.max_steps {2 * STEPS}); nothing to do"
+            in again.stdout.splitlines()), again.stdout[-3000:]
+    lowered = launch([*overrides, f"train.max_steps={STEPS}"], check=False)
+    assert lowered.returncode == 1 and "Traceback" not in lowered.stderr, lowered.stderr[-3000:]
+    assert lowered.stderr.strip().splitlines()[-1] == (f"config error: train.max_steps: {STEPS} is not past the "
+                                                       f"resumed step {2 * STEPS}: nothing to train; raise it to "
+                                                       "continue"), lowered.stderr[-3000:]
+    assert files() == before
 
 
 @pytest.mark.parametrize("stage,ranks", [(0, 1), (3, 2)])
