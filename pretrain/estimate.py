@@ -14,10 +14,11 @@ Activations are measured where they can be, modelled where they must be, and rep
 summing to the total (``activation_breakdown_bytes``). Measured: one forward on the meta device at
 (micro_batch_size, seq_len) through the model's fused head and loss (``models/lm_head.py``), counting every
 tensor autograd saves for backward (parameters excluded, views counted once) in the part of the block that saved
-it — the mixer's norm, the mixer (its projections, feature maps and op), the feed-forward's norm, the feed-forward
-— or the loss (embedding, final norm, head); blocks of the same mixer save the same bytes, so one period of the
-layer pattern is run, whole (``model.mini_sequence`` is then applied by arithmetic: a sliced feed-forward keeps
-its input only, and recomputes one slice at a time). A mixer whose forward needs data (``.item()``, ``nonzero``
+it — the mixer's norm, the mixer's projections (the inputs its linear layers keep), the rest of the mixer (feature
+maps, short convolutions, gates and the op's saved tensors), the feed-forward's norm, the feed-forward — or the loss
+(embedding, final norm, head); blocks of the same mixer save the same bytes, so one period of the layer pattern
+is run, whole (``model.mini_sequence`` is then applied by arithmetic: a sliced feed-forward keeps its input only,
+and recomputes one slice at a time). A mixer whose forward needs data (``.item()``, ``nonzero``
 on packed-document offsets) cannot run on meta; it is run instead on the CPU at two short lengths and its bytes
 extrapolated along the row (exact for what grows linearly in T, as every linear-time mixer's saved tensors do),
 and the result names it. On the meta device SDPA would take its math path and store the T×T weights; the GPU
@@ -52,7 +53,8 @@ BYTES_PER_PARAM = {  # weights, gradients, optimizer states (Adam), per paramete
     "bf16": (2, 2, 12),
     "fp16": (2, 2, 12),
 }
-BLOCK_PARTS = ("mixer_norm", "mixer", "ffn_norm", "ffn")  # where a block's saved bytes are counted
+# where a block's saved bytes are counted: a mixer's are split between its linear layers and the rest, its op
+BLOCK_PARTS = ("mixer_norm", "mixer_projection", "mixer_op", "ffn_norm", "ffn")
 GRADIENTS_IN_FLIGHT = 5  # [tokens, dim] gradients held at once in backward: the residual's, a mixer's q, k, v, out
 CPU_PROBE_LENGTHS = (128, 256)  # a mixer that cannot run on meta is measured at these lengths on the CPU
 
@@ -189,10 +191,11 @@ def saved_activation_bytes(model, batch: int, seq_len: int) -> tuple[list[dict[s
     counter = _SavedTensorCounter(model.parameters(), buckets)
     hooks = []
     for i, block in enumerate(model.layers):
-        for part in BLOCK_PARTS:
-            hooks.append(getattr(block, part).register_forward_pre_hook(
-                lambda module, args, bucket=(i, part): counter.switch(bucket)))
-    hooks.append(model.norm.register_forward_pre_hook(lambda module, args: counter.switch("rest")))
+        for part, module in (("mixer_norm", block.mixer_norm), ("mixer_op", block.mixer), ("ffn_norm", block.ffn_norm),
+                             ("ffn", block.ffn)):
+            hooks += counter.switch_at(module, (i, part))
+        hooks += counter.split_projections(block.mixer, (i, "mixer_projection"), (i, "mixer_op"))
+    hooks += counter.switch_at(model.norm, "rest")
     for block in model.layers:
         block.mixer.forward = counter.guarded(block.mixer)
     input_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
@@ -212,6 +215,8 @@ class _SavedTensorCounter:
     """Adds up the storage of saved tensors into the current bucket, each storage once, parameters never.
 
     Storages are told apart by their address, so the ones seen are kept alive: a freed address can be reused.
+    Buckets switch when a module starts (``switch_at``); the hooks act for that module only, not for a deep copy
+    of it (which inherits its hooks: ``cpu_saved_bytes``' twin).
     """
 
     def __init__(self, parameters, buckets):
@@ -223,6 +228,20 @@ class _SavedTensorCounter:
 
     def switch(self, bucket) -> None:
         self.bucket = bucket
+
+    def switch_at(self, module, bucket, after=None) -> list:
+        """Hooks: ``bucket`` from when ``module`` starts (and ``after`` from when it ends, if given)."""
+        def to(target):
+            return lambda hooked, *_: self.switch(target) if hooked is module else None
+
+        hooks = [module.register_forward_pre_hook(to(bucket))]
+        return hooks + ([module.register_forward_hook(to(after))] if after is not None else [])
+
+    def split_projections(self, mixer, projection, rest) -> list:
+        """Hooks that count what ``mixer``'s linear layers save (their inputs) in ``projection``, the rest in
+        ``rest``."""
+        return [hook for module in mixer.modules() if isinstance(module, torch.nn.Linear)
+                for hook in self.switch_at(module, projection, after=rest)]
 
     def pack(self, tensor):
         storage = tensor.untyped_storage()
@@ -237,26 +256,27 @@ class _SavedTensorCounter:
         forward = mixer.forward
 
         def run(x, **kwargs):
-            before = self.bytes[self.bucket]
+            counted, (layer, _) = dict(self.bytes), self.bucket  # the mixer's pre-hook set (layer, "mixer_op")
             try:
                 return forward(x, **kwargs)
             except (RuntimeError, NotImplementedError):  # data-dependent shapes have no meta form
+                self.bytes = counted  # what the failed attempt counted goes
                 self.extrapolated.add(type(mixer).__name__)
                 key = repr(mixer)
                 if key not in self.cpu_measured:
                     self.cpu_measured[key] = cpu_saved_bytes(mixer, x.shape[-1], x.dtype)
-                per_token, per_row = self.cpu_measured[key]
                 batch, seq_len, _ = x.shape
-                self.bytes[self.bucket] = before + round(batch * (per_row + per_token * seq_len))
+                for part, (per_token, per_row) in self.cpu_measured[key].items():
+                    self.bytes[layer, part] += round(batch * (per_row + per_token * seq_len))
                 return torch.zeros_like(x)
 
         return run
 
 
-def cpu_saved_bytes(mixer, dim: int, dtype: torch.dtype) -> tuple[float, float]:
+def cpu_saved_bytes(mixer, dim: int, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
     """What a copy of ``mixer`` on the CPU saves for backward in a forward over one row of width ``dim``, as
-    (bytes per token, bytes per row), from ``CPU_PROBE_LENGTHS``: a linear-time mixer's saved tensors grow linearly
-    in T."""
+    (bytes per token, bytes per row) for its projections and the rest (``mixer_projection``, ``mixer_op``), from
+    ``CPU_PROBE_LENGTHS``: a linear-time mixer's saved tensors grow linearly in T."""
     twin = copy.deepcopy(mixer).to_empty(device="cpu")
     vars(twin).pop("forward", None)  # the class's forward, not the guard the probe put on the original
     generator = torch.Generator().manual_seed(0)
@@ -264,16 +284,23 @@ def cpu_saved_bytes(mixer, dim: int, dtype: torch.dtype) -> tuple[float, float]:
         for tensor in [*twin.parameters(), *twin.buffers()]:
             if tensor.is_floating_point():
                 tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
+    parts = ("mixer_projection", "mixer_op")
     measured = []
     for length in CPU_PROBE_LENGTHS:
-        counter = _SavedTensorCounter(twin.parameters(), ["rest"])
+        counter = _SavedTensorCounter(twin.parameters(), parts)
+        counter.switch("mixer_op")
+        hooks = counter.split_projections(twin, "mixer_projection", "mixer_op")
         x = torch.randn(1, length, dim, generator=generator).to(dtype).requires_grad_()  # as a block's is
-        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            twin(x)
-        measured.append(counter.bytes["rest"])
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                twin(x)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        measured.append(counter.bytes)
     (short, long), (a, b) = measured, CPU_PROBE_LENGTHS
-    per_token = (long - short) / (b - a)
-    return per_token, short - per_token * a
+    per_token = {part: (long[part] - short[part]) / (b - a) for part in parts}
+    return {part: (per_token[part], short[part] - per_token[part] * a) for part in parts}
 
 
 class _FlashShapedSDPA(TorchFunctionMode):

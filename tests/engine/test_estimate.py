@@ -222,3 +222,15 @@ def test_every_mixer_family_1b_config_is_about_a_billion_parameters_and_fits_8_g
     # 6 FLOPs per matmul weight (norm gains do none) plus what the mixer adds
     assert 5.9 * result["parameters"] < result["flops_per_token"] < 8 * result["parameters"]
     assert result["memory_per_rank_bytes"] < 80 * 2**30  # ZeRO-2 on 8 ranks of 80 GB
+
+
+@pytest.mark.parametrize("mixer,rows", [("softmax", 1), ("data_dependent", 2)])  # measured on meta; on the CPU
+def test_a_mixers_projections_are_counted_apart_from_its_op(mixer, rows, test_mixers):
+    """A storage counts where it is first saved. The linear layers keep the mixer's input (q, k, v's, or the gate's:
+    one storage) and the output projection's input, unless the op saved that first: SDPA keeps its output, which
+    softmax's o_proj reads as a view, so that row is the op's; the gated shift's product is the projection's."""
+    cfg = tiny(f"model.mixer={mixer}", "deepspeed.activation_checkpointing=false", "train.seq_len=40")
+    parts = estimate(cfg, 1)["activation_breakdown_bytes"]
+    row = 2 * 40 * 32 * 4  # micro-batch × seq_len × dim × fp32
+    assert parts["mixer_projections"] == 3 * rows * row
+    assert parts["mixer_ops"] > 0
