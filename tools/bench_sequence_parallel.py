@@ -15,7 +15,7 @@ separate processes minutes apart on a shared machine compare nothing.
 
 For every N and length, torchrun starts N gloo ranks (one thread each) that train a small LM — one forward and
 backward of the loss per step, no optimizer — on one row of that length, split into N slices. Each rank reports
-its peak resident memory above what it held before building the model (the kernel's ``ru_maxrss``), the median
+its peak resident memory above what it held before building the model (the kernel's ``VmHWM``), the median
 step time over ``--steps`` timed steps after one warm-up step, and the bytes its sequence-parallel collectives
 moved per layer and step (counted at the ``torch.distributed`` calls: an all-gather's whole output, an
 all-reduce's tensor). A length whose peak passes ``--budget-gb`` on any rank ends that N's series: the longest
@@ -64,10 +64,9 @@ def worker(args) -> None:
         split_sequences,
     )
     from pretrain.parallel import shard_rows
+    from pretrain.resident import peak_resident_bytes, resident_bytes
     from pretrain.tasks import build_model
     from pretrain.tasks.config_checks import load_run_config
-
-    from benchlib import resident_bytes
 
     moved = {"bytes": 0}
     for name in ("all_gather_single", "all_reduce"):  # count what the collectives carry (the real calls run)
@@ -104,7 +103,7 @@ def worker(args) -> None:
     moved["bytes"] = 0
     times = [step() for _ in range(args.steps)]
     comm = moved["bytes"]
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before], dtype=torch.float64)
+    peak = torch.tensor([peak_resident_bytes() - before], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     step_s = statistics.median(times)
     if world.rank == 0:

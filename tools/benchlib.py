@@ -13,7 +13,8 @@ Each record also keeps the machine's 1-minute load average after it was measured
 everything that runs on it.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` during one forward+backward, less what was allocated
-before the inputs were made. On CPU, the probe's peak resident set size (``ru_maxrss``) less its resident size
+before the inputs were made. On CPU, the probe's peak resident set size (``VmHWM``: ``pretrain/resident.py`` says
+why not ``ru_maxrss``) less its resident size
 before the inputs were made: everything the step touches (inputs, parameters, activations, gradients, and memory
 the allocator keeps), measured by the kernel, not by PyTorch. CPU probes run under an address-space limit so that
 a size that does not fit fails cleanly instead of pushing the machine into swap.
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from pretrain.resident import peak_resident_bytes, resident_bytes
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 Step = Callable[[], torch.Tensor]  # one forward over fixed inputs; its output is backpropagated with ones
@@ -69,11 +72,6 @@ def run_logged(command: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def probe(build_step: Callable[[], Step], device) -> dict:
     """Runs in the fresh subprocess: one forward+backward, timed, for the peak memory; then a timed forward."""
     cuda = torch.device(device).type == "cuda"
@@ -88,7 +86,7 @@ def probe(build_step: Callable[[], Step], device) -> dict:
     if cuda:
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        peak = peak_resident_bytes() - before
     return {"peak_mem_bytes": peak, "fwd_bwd_s": fwd_bwd_s, "fwd_s": timed(forward_only, step, device)}
 
 

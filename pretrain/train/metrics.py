@@ -3,13 +3,13 @@
 Only rank 0 writes; the values it writes are already reduced over ranks by the loop.
 """
 import json
-import resource
 import sys
 from pathlib import Path
 
 import torch
 
 from ..atomic import atomic_path
+from ..resident import peak_resident_bytes
 
 # Dense bf16 tensor-core peak FLOP/s by device-name fragment (vendor specs).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -27,7 +27,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak accelerator memory allocated by this process; on CPU its peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_resident_bytes()
 
 
 class MetricsFileError(OSError):
