@@ -23,6 +23,8 @@ STEPS = 4
 
 
 LAYERS = {"hybrid": {"model__layer_pattern": "[linear,softmax]"},
+          # the same model with its feed-forwards over slices of 16 tokens (model.mini_sequence): trains the same
+          "hybrid_sliced": {"model__layer_pattern": "[linear,softmax]", "model__mini_sequence": 16},
           "mamba2": {"model__layer_pattern": "[mamba2]", "model__mixer_options__mamba2__chunk_size": 16,
                      "model__mixer_options__mamba2__state_size": 16},
           # Gated DeltaNet's 3:1 hybrid: the delta rule's state maps and its short convolutions' edges cross ranks
@@ -88,6 +90,11 @@ def test_a_mamba2_lm_on_two_sequence_ranks_trains_as_one_rank(runs):
 def test_the_gated_deltanet_hybrid_on_two_sequence_ranks_trains_as_one_rank(runs, stage):
     """The delta rule's state maps and convolution edges cross the slice boundary of 48 tokens."""
     assert_same_training(runs(2, 2, stage, layers="gdn_hybrid"), runs(1, 1, layers="gdn_hybrid"), stage)
+
+
+def test_mini_sequence_blocks_on_two_sequence_ranks_at_zero_3_train_as_one_rank(runs):
+    """Sliced feed-forwards inside DeepSpeed's activation checkpointing, on 48-token slices of the rows."""
+    assert_same_training(runs(2, 2, 3, layers="hybrid_sliced"), runs(1, 1), 3)
 
 
 def test_data_and_sequence_parallel_on_four_ranks_train_as_data_parallel_on_two(runs):
