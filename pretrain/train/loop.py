@@ -153,7 +153,7 @@ class Trainer:
                                    load_universal=checkpoint.needs_resharding(self.ckpt_dir, self.world.world_size))
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main,
-                                    resume_step=checkpoint.tag_step(checkpoint.latest_tag(self.ckpt_dir)))
+                                    resume_step=checkpoint.tag_step(checkpoint.latest_tag(self.ckpt_dir)) or 0)
         if lock_note:
             self.writer.print(lock_note)
         self.counters = Counters()

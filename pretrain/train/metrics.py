@@ -59,12 +59,12 @@ def read_rows(path: Path) -> tuple[list[tuple[str, int]], str | None]:
 
 
 class MetricsWriter:
-    """``resume_step``: the step a run resumes from; what an earlier launch logged after it (up to its stop) is
-    dropped, from metrics.jsonl and, with tensorboard's ``purge_step``, from the event files, so each step is
-    written once however often the run resumes. A last line of metrics.jsonl cut short (a kill or a full disk
+    """``resume_step``: the step a run resumes from (0: a launch without a checkpoint, which starts over); what an
+    earlier launch logged after it (up to its stop) is dropped, from metrics.jsonl and, with tensorboard's
+    ``purge_step``, from the event files, so each step is written once however often the run is relaunched. A last line of metrics.jsonl cut short (a kill or a full disk
     during its write) is dropped with a one-line warning; a bad line before it is refused (``read_rows``)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0):
         self.enabled = enabled
         if not enabled:
             return
@@ -76,12 +76,11 @@ class MetricsWriter:
             if torn is not None:
                 print(f"warning: dropped the last line of {path}, cut short by an interrupted write (a kill, a full "
                       f"disk): {torn[:80]!r}", file=sys.stderr, flush=True)
-            kept = "".join(line for line, step in rows if resume_step is None or step <= resume_step)
+            kept = "".join(line for line, step in rows if step <= resume_step)
             if kept.encode() != path.read_bytes():  # rows dropped, or a last row without its newline
                 with atomic_path(path) as tmp:
                     tmp.write_text(kept)
-        purge = None if resume_step is None else resume_step + 1
-        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
+        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=resume_step + 1)
         self.jsonl = open(path, "a")
 
     def scalars(self, step: int, values: dict[str, float]) -> None:

@@ -16,7 +16,7 @@ def logged_steps(path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("resume_step", [3, None])  # a resume from step 3's checkpoint; a run with none saved
+@pytest.mark.parametrize("resume_step", [3, 0])  # a resume from step 3's checkpoint; a launch with none saved
 def test_a_torn_last_line_is_dropped_with_a_warning_and_the_run_appends_after_the_kept_rows(tmp_path, capsys,
                                                                                           resume_step):
     path = tmp_path / "metrics.jsonl"
@@ -24,9 +24,10 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_the_run_appends_after_th
     writer = MetricsWriter(tmp_path, True, resume_step=resume_step)
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and said[0].startswith(f"warning: dropped the last line of {path}, cut short"), said
-    writer.scalars(4 if resume_step else 5, {"train/loss": 1.0})
+    writer.scalars(resume_step + 1, {"train/loss": 1.0})
     writer.close()
-    assert logged_steps(path) == ([1, 2, 3, 4] if resume_step else [1, 2, 3, 4, 5])
+    # without a checkpoint the launch starts over at step 1: the earlier launch's rows go, none is logged twice
+    assert logged_steps(path) == list(range(1, resume_step + 2))
 
 
 def test_a_last_row_without_its_newline_is_kept_and_the_next_row_starts_a_line(tmp_path, capsys):
