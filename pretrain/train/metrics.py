@@ -61,8 +61,9 @@ def read_rows(path: Path) -> tuple[list[tuple[str, int]], str | None]:
 class MetricsWriter:
     """``resume_step``: the step a run resumes from (0: a launch without a checkpoint, which starts over); what an
     earlier launch logged after it (up to its stop) is dropped, from metrics.jsonl and, with tensorboard's
-    ``purge_step``, from the event files, so each step is written once however often the run is relaunched. A last line of metrics.jsonl cut short (a kill or a full disk
-    during its write) is dropped with a one-line warning; a bad line before it is refused (``read_rows``)."""
+    ``purge_step``, from the event files, so each step is written once however often the run is relaunched. A last
+    line of metrics.jsonl cut short (a kill or a full disk during its write) is dropped with a one-line warning; a
+    bad line before it is refused (``read_rows``)."""
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int = 0):
         self.enabled = enabled
