@@ -7,7 +7,8 @@ registers these classes only once transformers itself gets imported (``pretrain/
 try:
     import transformers  # the missing extra is named here, not deep in a traceback
 except ImportError as err:
-    raise ImportError("pretrain.hf needs the 'hf' extra: pip install -e '.[hf]' (transformers and lm-eval)") from err
+    raise ImportError("pretrain.hf needs the 'hf' extra: pip install -e '.[hf]' -c constraints.txt (transformers "
+                      "and lm-eval, at the versions tests/hf passes with)") from err
 
 from .config import PretrainConfig
 from .model import PretrainForCausalLM, MixerStateCache

@@ -171,4 +171,4 @@ def test_a_missing_extra_is_named_with_its_pip_command():
     code = "import sys; sys.modules['transformers'] = None; import pretrain; import pretrain.hf"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    assert "ImportError: pretrain.hf needs the 'hf' extra: pip install -e '.[hf]'" in result.stderr
+    assert "ImportError: pretrain.hf needs the 'hf' extra: pip install -e '.[hf]' -c constraints.txt" in result.stderr
