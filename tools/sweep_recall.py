@@ -13,8 +13,10 @@ kept, and the other seeds train at it only (the table and plot show the kept rat
 Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python), and are scored by
 ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens`` (or at each ``--settings``). A run whose ``eval.json``
 exists is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
-refused: its figures would pass for this sweep's). Prints a markdown table of accuracy (mean over seeds) per mixer
-and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
+refused: its figures would pass for this sweep's). ``--finished-only`` trains nothing: it gathers the runs already
+scored, so a sweep run in parts (several processes on disjoint configs, over several sessions) gets one table, JSON
+and plot; a learning rate is then kept among the rates finished. Prints a markdown table of accuracy (mean over
+seeds) per mixer and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
 the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
 2312.04927).
 """
@@ -41,8 +43,10 @@ def mixer_label(cfg) -> str:
     return "+".join(cfg.model.layer_pattern) if cfg.model.layer_pattern else cfg.model.mixer
 
 
-def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace, lr: float | None = None) -> dict:
-    """Train and score one setting, or read its ``eval.json`` when an earlier sweep got that far."""
+def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace, lr: float | None = None
+              ) -> dict | None:
+    """Train and score one setting, or read its ``eval.json`` when an earlier sweep got that far (None: not scored
+    yet, with ``--finished-only``)."""
     rate = "" if lr is None else f"_lr{lr:g}"
     run_dir = args.out / f"{Path(config_path).stem}_d{width}{rate}_s{seed}"
     result_file = run_dir / "eval.json"
@@ -62,6 +66,8 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
                 raise SystemExit(f"{run_dir} holds a run made by another {kind} command ({row[f'{kind}_command']});"
                                  " give another --out or delete it")
         return row
+    if args.finished_only:
+        return None
     run_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     train_s = benchlib.run_logged(train, run_dir / "train.log")
@@ -91,14 +97,18 @@ def sweep_mixer(config_path: str, width: int, args: argparse.Namespace) -> list[
     first, *others = args.seeds
     if not args.lrs:
         rows = [sweep_one(config_path, width, seed, args) for seed in args.seeds]
-        return [{**row, "kept": True} for row in rows]
-    search = [sweep_one(config_path, width, first, args, lr) for lr in args.lrs]
-    best = max(range(len(args.lrs)), key=lambda i: trained_accuracy(search[i]))
-    print(f"{config_path} dim {width}: learning rate {args.lrs[best]:g} kept (trained-setting accuracy "
-          + ", ".join(f"{lr:g}: {trained_accuracy(row):.3f}" for lr, row in zip(args.lrs, search)) + ")",
+        return [{**row, "kept": True} for row in rows if row is not None]
+    searched = [(lr, sweep_one(config_path, width, first, args, lr)) for lr in args.lrs]
+    searched = [(lr, row) for lr, row in searched if row is not None]  # all of them, unless --finished-only
+    if not searched:
+        return []
+    best = max(range(len(searched)), key=lambda i: trained_accuracy(searched[i][1]))
+    print(f"{config_path} dim {width}: learning rate {searched[best][0]:g} kept (trained-setting accuracy "
+          + ", ".join(f"{lr:g}: {trained_accuracy(row):.3f}" for lr, row in searched) + ")",
           file=sys.stderr, flush=True)
-    kept = [search[best]] + [sweep_one(config_path, width, seed, args, args.lrs[best]) for seed in others]
-    return [{**row, "kept": i == best} for i, row in enumerate(search)] + [{**row, "kept": True} for row in kept[1:]]
+    kept = [sweep_one(config_path, width, seed, args, searched[best][0]) for seed in others]
+    return ([{**row, "kept": i == best} for i, (_, row) in enumerate(searched)]
+            + [{**row, "kept": True} for row in kept if row is not None])
 
 
 def settings_of(rows: list[dict]) -> list[tuple[int, int]]:
@@ -176,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settings", type=setting_arg, nargs="+", metavar="T:N",
                         help="(length, pairs) settings scored, instead of the grid of --pairs × --seq-lens")
     parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
+    parser.add_argument("--finished-only", action="store_true",
+                        help="train nothing: gather the runs already scored (a sweep run in parts)")
     parser.add_argument("--json", type=Path, help="write every run's row (with its commands) here")
     parser.add_argument("--plot", type=Path, help="write the accuracy-against-state-size plot here (PNG)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
@@ -193,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for width in args.widths:
         for config_path in args.configs:
-            rows += sweep_mixer(config_path, width, args)
-            kept = [row for row in rows[-len(args.seeds):] if row["kept"]]
+            done = sweep_mixer(config_path, width, args)
+            rows += done
             print(f"done {config_path} dim {width}: val accuracy "
-                  + ", ".join(f"{row['val_recall_accuracy']:.3f}" for row in kept), file=sys.stderr, flush=True)
+                  + (", ".join(f"{row['val_recall_accuracy']:.3f}" for row in done if row["kept"]) or "none scored"),
+                  file=sys.stderr, flush=True)
+    if not rows:
+        raise SystemExit("no run is scored yet: nothing to tabulate (drop --finished-only to train)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"overrides": args.overrides, "lrs": args.lrs, "pairs": args.pairs,

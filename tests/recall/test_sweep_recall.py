@@ -51,6 +51,11 @@ def test_trains_scores_tabulates_plots_and_resumes(tmp_path):
     assert json.loads((out / "rows.json").read_text())["rows"] == rows
     assert {path: path.read_text() for path in out.glob("*/train.log")} == train_logs
 
+    gathered = sweep(out, "--finished-only", "--seeds", "0", "1")  # seed 1 was never run: left out, not trained
+    assert gathered.returncode == 0, gathered.stderr[-4000:]
+    assert json.loads((out / "rows.json").read_text())["rows"] == rows
+    assert sorted(path.name for path in out.iterdir() if path.is_dir()) == ["linear_d16_s0", "softmax_d16_s0"]
+
     other = sweep(out, "optim.lr=1e-3")  # another budget in the same folder: its old scores would pass for new
     assert other.returncode == 1 and "holds a run made by another train command" in other.stderr, other.stderr
     assert {path: path.read_text() for path in out.glob("*/train.log")} == train_logs
