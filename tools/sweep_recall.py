@@ -156,13 +156,14 @@ def plot(rows: list[dict], path: Path) -> None:
     trained = sorted({(r["seq_len"], r["num_pairs"]) for row in rows for r in row["results"] if r["trained"]})
     settings = trained or settings_of(rows)
     mixers = list(dict.fromkeys(mixer for mixer, _ in table))
+    colors = plt.get_cmap("tab20").colors  # more presets than the default cycle's 10 colours: none may share one
     fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings), 3.4), sharey=True, squeeze=False)
     for ax, (seq_len, pairs) in zip(axes[0], settings):
-        for mixer in mixers:
+        for i, mixer in enumerate(mixers):
             points = sorted((e["state_bytes"][seq_len], e["accuracy"][seq_len, pairs])
                             for (m, _), e in table.items() if m == mixer and (seq_len, pairs) in e["accuracy"])
             if points:
-                ax.plot(*zip(*points), marker="o", label=mixer)
+                ax.plot(*zip(*points), marker="os^Dv<>p"[i % 8], color=colors[i % len(colors)], label=mixer)
         ax.axhline(1 / pairs, color="gray", linestyle="--", linewidth=0.8, label="1/pairs")  # a guess among the values
         ax.set_xscale("log")
         ax.set_title(f"T={seq_len}, {pairs} pairs", fontsize=9)
