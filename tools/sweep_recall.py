@@ -13,14 +13,17 @@ kept, and the other seeds train at it only (the table and plot show the kept rat
 Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python), and are scored by
 ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens`` (or at each ``--settings``). A run whose ``eval.json``
 exists is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
-refused: its figures would pass for this sweep's). ``--finished-only`` trains nothing: it gathers the runs already
-scored, so a sweep run in parts (several processes on disjoint configs, over several sessions) gets one table, JSON
-and plot; a learning rate is then kept among the rates finished. Prints a markdown table of accuracy (mean over
+refused: its figures would pass for this sweep's). The ``--json`` file is the sweep's record: every run is added to
+it as soon as it is scored, and a run found there is not redone either, so the sweep goes on in a fresh checkout
+whose run directories are gone (they are not committed; the record is). ``--finished-only`` trains nothing: it
+gathers the runs already scored, so a sweep run in parts (several processes on disjoint configs, over several
+sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. Prints a markdown table of accuracy (mean over
 seeds) per mixer and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
 the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
 2312.04927).
 """
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -43,10 +46,43 @@ def mixer_label(cfg) -> str:
     return "+".join(cfg.model.layer_pattern) if cfg.model.layer_pattern else cfg.model.mixer
 
 
+def run_dir_of(row: dict) -> str:
+    return next(word.split("=", 1)[1] for word in row["train_command"].split() if word.startswith("run.dir="))
+
+
+class Record:
+    """The ``--json`` file as the sweep's record of scored runs, one row per run directory. Rows are added as runs
+    finish, under a lock on the file's folder, so parts of a sweep run side by side can share one file; a write goes
+    to a temporary file renamed over the old one, so a crash leaves the old record whole."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def rows(self) -> dict[str, dict]:
+        if self.path is None or not self.path.exists():
+            return {}
+        return {run_dir_of(row): row for row in json.loads(self.path.read_text())["rows"]}
+
+    def add(self, rows: list[dict], header: dict) -> None:
+        """Merge ``rows`` into the file: a run already there is replaced, the others' rows are kept."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX)
+            merged = self.rows() | {run_dir_of(row): row for row in rows}
+            temporary = self.path.with_name(self.path.name + ".tmp")
+            temporary.write_text(json.dumps({**header, "rows": list(merged.values())}, indent=1))
+            temporary.replace(self.path)
+        finally:
+            os.close(folder)  # closing the folder releases the lock
+
+
 def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace, lr: float | None = None
               ) -> dict | None:
-    """Train and score one setting, or read its ``eval.json`` when an earlier sweep got that far (None: not scored
-    yet, with ``--finished-only``)."""
+    """Train and score one setting, or read its row from the record or its ``eval.json`` when an earlier sweep got
+    that far (None: not scored yet, with ``--finished-only``)."""
     rate = "" if lr is None else f"_lr{lr:g}"
     run_dir = args.out / f"{Path(config_path).stem}_d{width}{rate}_s{seed}"
     result_file = run_dir / "eval.json"
@@ -59,12 +95,15 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
         ["--pairs", *map(str, args.pairs), "--seq-lens", *map(str, args.seq_lens)]
     evaluate = [sys.executable, "tools/eval_recall.py", "--run", str(run_dir), "--json", str(run_dir / "scores.json"),
                 *scored, "--rows", str(args.rows)]
-    if result_file.exists():
-        row = json.loads(result_file.read_text())
+    recorded = args.recorded.get(str(run_dir))
+    if recorded is not None or result_file.exists():
+        row = dict(recorded) if recorded else json.loads(result_file.read_text())
+        row.pop("kept", None)  # the record's mark was its sweep's: sweep_mixer judges again
         for kind, command in (("train", train), ("eval", evaluate)):  # the python may differ, the arguments not
             if row[f"{kind}_command"].split()[1:] != command[1:]:
-                raise SystemExit(f"{run_dir} holds a run made by another {kind} command ({row[f'{kind}_command']});"
-                                 " give another --out or delete it")
+                where = f"{args.json} records {run_dir} as" if recorded else f"{run_dir} holds"
+                raise SystemExit(f"{where} a run made by another {kind} command ({row[f'{kind}_command']}); give "
+                                 "another --out (and --json) or delete it")
         return row
     if args.finished_only:
         return None
@@ -82,6 +121,7 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
            "val_recall_accuracy": [m["val/recall_accuracy"] for m in metrics if "val/recall_accuracy" in m][-1],
            "results": scores["results"], "train_command": " ".join(train), "eval_command": " ".join(evaluate)}
     result_file.write_text(json.dumps(row, indent=1))
+    args.record.add([row], args.header)
     return row
 
 
@@ -189,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
     parser.add_argument("--finished-only", action="store_true",
                         help="train nothing: gather the runs already scored (a sweep run in parts)")
-    parser.add_argument("--json", type=Path, help="write every run's row (with its commands) here")
+    parser.add_argument("--json", type=Path, help="the record: every run's row (with its commands), added as each "
+                                                   "is scored; a run recorded here is not redone")
     parser.add_argument("--plot", type=Path, help="write the accuracy-against-state-size plot here (PNG)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides given to every run: the shared budget")
     args = parser.parse_args(argv)
@@ -203,21 +244,21 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--configs {config_path}: {err}")
         if cfg.task != "recall":
             parser.error(f"--configs {config_path}: task {cfg.task!r}; the sweep trains task: recall configs")
+    args.record = Record(args.json)
+    args.recorded = args.record.rows()
+    args.header = {"overrides": args.overrides, "lrs": args.lrs, "pairs": args.pairs, "seq_lens": args.seq_lens,
+                   "settings": args.settings}
     rows = []
     for width in args.widths:
         for config_path in args.configs:
             done = sweep_mixer(config_path, width, args)
+            args.record.add(done, args.header)
             rows += done
             print(f"done {config_path} dim {width}: val accuracy "
                   + (", ".join(f"{row['val_recall_accuracy']:.3f}" for row in done if row["kept"]) or "none scored"),
                   file=sys.stderr, flush=True)
     if not rows:
         raise SystemExit("no run is scored yet: nothing to tabulate (drop --finished-only to train)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"overrides": args.overrides, "lrs": args.lrs, "pairs": args.pairs,
-                                         "seq_lens": args.seq_lens, "settings": args.settings, "rows": rows},
-                                        indent=1))
     if args.plot:
         plot(rows, args.plot)
     print(markdown_table(rows))

@@ -1,7 +1,9 @@
 """tools/sweep_recall.py end to end: real 3-step recall runs (launch/pretrain.py) for two mixers, scored by
 eval_recall at two pair counts and two lengths, tabulated, plotted, and resumed without training again."""
 import json
+import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +58,21 @@ def test_trains_scores_tabulates_plots_and_resumes(tmp_path):
     assert json.loads((out / "rows.json").read_text())["rows"] == rows
     assert sorted(path.name for path in out.iterdir() if path.is_dir()) == ["linear_d16_s0", "softmax_d16_s0"]
 
+    (out / "rows.json").rename(out / "record.json")  # the run directories alone refuse it too
     other = sweep(out, "optim.lr=1e-3")  # another budget in the same folder: its old scores would pass for new
     assert other.returncode == 1 and "holds a run made by another train command" in other.stderr, other.stderr
+    (out / "record.json").rename(out / "rows.json")
     assert {path: path.read_text() for path in out.glob("*/train.log")} == train_logs
+
+    for path in out.glob("*/eval.json"):  # a fresh checkout: the run directories are gone, the record is not
+        shutil.rmtree(path.parent)
+    resumed = sweep(out)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert json.loads((out / "rows.json").read_text())["rows"] == rows
+    assert not any(path.is_dir() for path in out.iterdir())  # nothing trained again
+    other = sweep(out, "optim.lr=1e-3")
+    assert other.returncode == 1 and "rows.json records" in other.stderr and "another train" in other.stderr
+    assert not any(path.is_dir() for path in out.iterdir())
 
 
 def test_a_bad_config_is_refused_before_any_run(tmp_path):
@@ -93,3 +107,30 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
     assert {"val/recall_accuracy/T16_N2", "val/recall_accuracy/T32_N4"} <= set(logged)
     table = result.stdout.strip().splitlines()
     assert len(table) == 3 and f"| {best:g} | 2 |" in table[2]  # the kept rate, two seeds
+
+
+def _add_rows(path: str, first: int, count: int) -> None:
+    """One part of a sweep recording its runs one at a time (a child process: the parts of a sweep run apart)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from sweep_recall import Record
+    for i in range(first, first + count):
+        Record(Path(path)).add([{"train_command": f"python launch/pretrain.py run.dir=runs/r{i}", "i": i}], {})
+
+
+@pytest.mark.dist
+def test_the_record_keeps_every_part_of_a_sweep_run_side_by_side(tmp_path, load_tool):
+    record = load_tool("sweep_recall").Record(tmp_path / "rows.json")
+    record.add([{"train_command": "python launch/pretrain.py run.dir=runs/r0", "i": 0}], {"lrs": None})
+    record.add([{"train_command": "python launch/pretrain.py run.dir=runs/r0", "i": -1}], {"lrs": [1e-3]})
+    assert record.rows() == {"runs/r0": {"train_command": "python launch/pretrain.py run.dir=runs/r0", "i": -1}}
+    assert json.loads((tmp_path / "rows.json").read_text())["lrs"] == [1e-3]
+
+    context = multiprocessing.get_context("spawn")
+    parts = [context.Process(target=_add_rows, args=(str(tmp_path / "rows.json"), first, 20)) for first in (1, 21)]
+    for part in parts:
+        part.start()
+    for part in parts:
+        part.join()
+    assert [part.exitcode for part in parts] == [0, 0]
+    assert sorted(row["i"] for row in record.rows().values()) == [-1, *range(1, 41)]  # no part's row lost
+    assert [path.name for path in tmp_path.iterdir()] == ["rows.json"]  # no temporary file left behind
