@@ -17,10 +17,10 @@ refused: its figures would pass for this sweep's). The ``--json`` file is the sw
 it as soon as it is scored, and a run found there is not redone either, so the sweep goes on in a fresh checkout
 whose run directories are gone (they are not committed; the record is). ``--finished-only`` trains nothing: it
 gathers the runs already scored, so a sweep run in parts (several processes on disjoint configs, over several
-sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. Prints a markdown table of accuracy (mean over
-seeds) per mixer and width at each setting; ``--json`` keeps every run's rows; ``--plot`` draws accuracy against
-the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
-2312.04927).
+sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. Prints a markdown
+table of accuracy (mean over seeds) per mixer and width at each setting, for the configs given (the record keeps
+the others' rows too); ``--plot`` draws accuracy against the decoding state's bytes at the trained length, one panel
+per number of pairs (the plot of Zoology, arXiv 2312.04927).
 """
 import argparse
 import fcntl
