@@ -18,9 +18,9 @@ it as soon as it is scored, and a run found there is not redone either, so the s
 whose run directories are gone (they are not committed; the record is). ``--finished-only`` trains nothing: it
 gathers the runs already scored, so a sweep run in parts (several processes on disjoint configs, over several
 sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. Prints a markdown
-table of accuracy (mean over seeds) per mixer and width at each setting, for the configs given (the record keeps
-the others' rows too); ``--plot`` draws accuracy against the decoding state's bytes at the trained length, one panel
-per number of pairs (the plot of Zoology, arXiv 2312.04927).
+table of accuracy (mean over seeds, and their range) per mixer and width at each setting, for the configs given
+(the record keeps the others' rows too); ``--plot`` draws accuracy against the decoding state's bytes at the trained
+length, one panel per number of pairs (the plot of Zoology, arXiv 2312.04927).
 """
 import argparse
 import fcntl
@@ -171,8 +171,18 @@ def summary(rows: list[dict]) -> dict[tuple[str, int], dict]:
                     accuracy[r["seq_len"], r["num_pairs"]].append(r["accuracy"])
                     state[r["seq_len"]] = r["state_bytes"]
         table[key] = {"accuracy": {s: mean(v) for s, v in accuracy.items()}, "state_bytes": state,
-                      "seeds": len(group), "lr": group[0]["lr"]}
+                      "spread": {s: (min(v), max(v)) for s, v in accuracy.items()}, "seeds": len(group),
+                      "lr": group[0]["lr"]}
     return table
+
+
+def accuracy_cell(entry: dict, setting: tuple[int, int]) -> str:
+    """The mean over seeds, and with several seeds their lowest and highest: at this budget seeds can differ by
+    more than mixers do."""
+    if setting not in entry["accuracy"]:
+        return "—"
+    low, high = entry["spread"][setting]
+    return f"{entry['accuracy'][setting]:.3f}" + (f" ({low:.3f}–{high:.3f})" if entry["seeds"] > 1 else "")
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -183,7 +193,7 @@ def markdown_table(rows: list[dict]) -> str:
     for (mixer, dim), entry in table.items():
         cells = [mixer, str(dim), f"{entry['lr']:g}", str(entry["seeds"]),
                  f"{entry['state_bytes'].get(trained, float('nan')):,}"]
-        cells += [f"{entry['accuracy'][s]:.3f}" if s in entry["accuracy"] else "—" for s in settings]
+        cells += [accuracy_cell(entry, s) for s in settings]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

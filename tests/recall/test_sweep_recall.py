@@ -107,6 +107,9 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
     assert {"val/recall_accuracy/T16_N2", "val/recall_accuracy/T32_N4"} <= set(logged)
     table = result.stdout.strip().splitlines()
     assert len(table) == 3 and f"| {best:g} | 2 |" in table[2]  # the kept rate, two seeds
+    kept = [row for row in rows if row["kept"]]
+    low, high = sorted(next(r["accuracy"] for r in row["results"] if r["num_pairs"] == 2) for row in kept)
+    assert f"| {(low + high) / 2:.3f} ({low:.3f}–{high:.3f}) |" in table[2]  # the mean over seeds, and their range
 
 
 def _add_rows(path: str, first: int, count: int) -> None:
