@@ -198,6 +198,29 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def rate_table(rows: list[dict]) -> str:
+    """The learning-rate search: per preset and width, each rate's mean accuracy over the trained settings at the
+    first seed, the kept rate in bold ("" when no preset tried more than one rate)."""
+    first_seed = defaultdict(lambda: float("inf"))
+    for row in rows:
+        first_seed[Path(row["config"]).stem, row["dim"]] = min(first_seed[Path(row["config"]).stem, row["dim"]],
+                                                              row["seed"])
+    searched = defaultdict(dict)
+    for row in rows:
+        key = Path(row["config"]).stem, row["dim"]
+        if row["seed"] == first_seed[key]:
+            searched[key][row["lr"]] = row
+    rates = sorted({lr for by_rate in searched.values() for lr in by_rate})
+    if all(len(by_rate) < 2 for by_rate in searched.values()):
+        return ""
+    lines = ["| preset | dim | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|---|" + "---:|" * len(rates)]
+    for (preset, dim), by_rate in searched.items():
+        cells = [(f"**{trained_accuracy(by_rate[lr]):.3f}**" if by_rate[lr].get("kept", True)
+                  else f"{trained_accuracy(by_rate[lr]):.3f}") if lr in by_rate else "—" for lr in rates]
+        lines.append(f"| {preset} | {dim} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per trained
     (length, pairs) setting (where Zoology draws it; the settings beyond them are in the table)."""
@@ -272,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(rows, args.plot)
     print(markdown_table(rows))
+    if searched := rate_table(rows):
+        print(f"\nThe rate search (mean accuracy over the trained settings, seed {min(args.seeds)}; kept in bold):\n")
+        print(searched)
     return 0
 
 

@@ -105,11 +105,17 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
     metrics = [json.loads(line) for line in next(out.glob("*_s1")).joinpath("metrics.jsonl").read_text().splitlines()]
     logged = [m for m in metrics if "val/recall_accuracy" in m][-1]
     assert {"val/recall_accuracy/T16_N2", "val/recall_accuracy/T32_N4"} <= set(logged)
-    table = result.stdout.strip().splitlines()
+    table, _, search = result.stdout.strip().split("\n\n")
+    table = table.splitlines()
     assert len(table) == 3 and f"| {best:g} | 2 |" in table[2]  # the kept rate, two seeds
     kept = [row for row in rows if row["kept"]]
     low, high = sorted(next(r["accuracy"] for r in row["results"] if r["num_pairs"] == 2) for row in kept)
     assert f"| {(low + high) / 2:.3f} ({low:.3f}–{high:.3f}) |" in table[2]  # the mean over seeds, and their range
+    accuracy = {lr: f"{mean(r['accuracy'] for r in row['results'] if r['trained']):.3f}"
+                for lr, row in searched.items()}
+    assert search.splitlines() == ["| preset | dim | lr 0.0001 | lr 0.003 |", "|---|---|---:|---:|",
+                                   "| linear | 16 | " + " | ".join(f"**{accuracy[lr]}**" if lr == best else accuracy[lr]
+                                                                   for lr in (1e-4, 3e-3)) + " |"]
 
 
 def _add_rows(path: str, first: int, count: int) -> None:
