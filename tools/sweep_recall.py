@@ -201,10 +201,10 @@ def markdown_table(rows: list[dict]) -> str:
 def rate_table(rows: list[dict]) -> str:
     """The learning-rate search: per preset and width, each rate's mean accuracy over the trained settings at the
     first seed, the kept rate in bold ("" when no preset tried more than one rate)."""
-    first_seed = defaultdict(lambda: float("inf"))
+    first_seed = {}
     for row in rows:
-        first_seed[Path(row["config"]).stem, row["dim"]] = min(first_seed[Path(row["config"]).stem, row["dim"]],
-                                                              row["seed"])
+        key = Path(row["config"]).stem, row["dim"]
+        first_seed[key] = min(first_seed.get(key, row["seed"]), row["seed"])
     searched = defaultdict(dict)
     for row in rows:
         key = Path(row["config"]).stem, row["dim"]
