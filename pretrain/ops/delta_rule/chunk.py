@@ -76,16 +76,16 @@ def _block(lo: int, hi: int, q, k, v, beta, g, entering, initial, *, has_initial
     carry = last.exp()[..., None]  # [n, H, 1, 1]
     begins = layout.next_begins_inside[lo:hi].view(-1, 1, 1, 1)
     fresh = initial[layout.next_doc[lo:hi]] * torch.where(begins, carry, 1.0)  # a document beginning next
+    written = U - own_reads[:, :, :, 0] if has_initial else U  # less what a document's own initial state predicts
+    # unbind, not chunk-by-chunk indexing: each index's backward would write a zero tensor of the whole block
+    steps = zip(written.unbind(), (W * reads).unbind(), handing.unbind(), carry.unbind(), fresh.unbind())
     states, deltas = [], []
     state = entering
-    for c in range(hi - lo):
+    for c, (writes, predicts, hands, decays, new) in enumerate(steps):
         states.append(state)
-        delta = U[c] - (W[c] * reads[c]) @ state
-        if has_initial:
-            delta = delta - own_reads[c, :, :, 0]
+        delta = writes - predicts @ state
         deltas.append(delta)
-        kept = carry[c] * state if layout.carries_list[lo + c] else fresh[c]
-        state = kept + handing[c].mT @ delta
+        state = (decays * state if layout.carries_list[lo + c] else new) + hands.mT @ delta
     states, delta = torch.stack(states), torch.stack(deltas)
     out = (QD * reads) @ states + (Q @ K.mT * decay) @ delta
     if has_initial:
