@@ -4,12 +4,14 @@
         --pairs 4 8 16 --seq-lens 64 128 256 --json benchmarks/recall_mqar.json --plot benchmarks/recall_mqar.png \\
         train.max_steps=600
     python tools/sweep_recall.py --configs configs/recall_zoology/*.yaml --widths 64 128 --lrs 1e-3 3e-3 1e-2 \\
-        --seeds 0 1 --settings 64:4 128:8 256:16 512:64 1024:64 --out runs/recall_zoology   # Zoology's setting
+        --search-width 64 --seeds 0 1 --settings 64:4 128:8 256:16 512:64 1024:64 --out runs/recall_zoology
 
 Every run gets the same overrides (the budget), plus its width (``model.dim``) and seed (``run.seed``), so only the
 configs' own keys differ. With ``--lrs``, each mixer and width first trains at every learning rate with the first
 seed (``optim.min_lr`` keeping its ratio to it); the rate with the best mean accuracy over the trained settings is
 kept, and the other seeds train at it only (the table and plot show the kept rate's runs, the JSON every run).
+With ``--search-width W`` the search runs at width W alone and every other width trains each seed at W's kept rate
+(Zoology searches each width; this halves the cost of a second width when the budget is two CPU cores).
 Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python), and are scored by
 ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens`` (or at each ``--settings``). A run whose ``eval.json``
 exists is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
@@ -27,6 +29,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -47,7 +50,7 @@ def mixer_label(cfg) -> str:
 
 
 def run_dir_of(row: dict) -> str:
-    return next(word.split("=", 1)[1] for word in row["train_command"].split() if word.startswith("run.dir="))
+    return next(word.split("=", 1)[1] for word in shlex.split(row["train_command"]) if word.startswith("run.dir="))
 
 
 class Record:
@@ -100,7 +103,7 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
         row = dict(recorded) if recorded else json.loads(result_file.read_text())
         row.pop("kept", None)  # the record's mark was its sweep's: sweep_mixer judges again
         for kind, command in (("train", train), ("eval", evaluate)):  # the python may differ, the arguments not
-            if row[f"{kind}_command"].split()[1:] != command[1:]:
+            if shlex.split(row[f"{kind}_command"])[1:] != command[1:]:
                 where = f"{args.json} records {run_dir} as" if recorded else f"{run_dir} holds"
                 raise SystemExit(f"{where} a run made by another {kind} command ({row[f'{kind}_command']}); give "
                                  "another --out (and --json) or delete it")
@@ -119,7 +122,7 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
            "n_layers": cfg.model.n_layers, "train_seq_len": cfg.train.seq_len, "train_pairs": cfg.recall.num_pairs,
            "steps": cfg.train.max_steps, "train_s": train_s, "load": load,
            "val_recall_accuracy": [m["val/recall_accuracy"] for m in metrics if "val/recall_accuracy" in m][-1],
-           "results": scores["results"], "train_command": " ".join(train), "eval_command": " ".join(evaluate)}
+           "results": scores["results"], "train_command": shlex.join(train), "eval_command": shlex.join(evaluate)}
     result_file.write_text(json.dumps(row, indent=1))
     args.record.add([row], args.header)
     return row
@@ -131,22 +134,37 @@ def trained_accuracy(row: dict) -> float:
     return mean(scores) if scores else float("-inf")
 
 
-def sweep_mixer(config_path: str, width: int, args: argparse.Namespace) -> list[dict]:
-    """Every run of one config at one width: the learning-rate search at the first seed (with ``--lrs``), then the
-    other seeds at the best rate. The kept runs are marked ``kept``."""
-    first, *others = args.seeds
-    if not args.lrs:
-        rows = [sweep_one(config_path, width, seed, args) for seed in args.seeds]
-        return [{**row, "kept": True} for row in rows if row is not None]
-    searched = [(lr, sweep_one(config_path, width, first, args, lr)) for lr in args.lrs]
-    searched = [(lr, row) for lr, row in searched if row is not None]  # all of them, unless --finished-only
+def rate_search(config_path: str, width: int, args: argparse.Namespace) -> tuple[list[tuple[float, dict]], int]:
+    """Every ``--lrs`` rate at the first seed (those scored, with ``--finished-only``), and the index of the kept
+    one: the best mean accuracy over the trained settings (-1 when none is scored)."""
+    searched = [(lr, sweep_one(config_path, width, args.seeds[0], args, lr)) for lr in args.lrs]
+    searched = [(lr, row) for lr, row in searched if row is not None]
     if not searched:
-        return []
+        return [], -1
     best = max(range(len(searched)), key=lambda i: trained_accuracy(searched[i][1]))
     print(f"{config_path} dim {width}: learning rate {searched[best][0]:g} kept (trained-setting accuracy "
           + ", ".join(f"{lr:g}: {trained_accuracy(row):.3f}" for lr, row in searched) + ")",
           file=sys.stderr, flush=True)
-    kept = [sweep_one(config_path, width, seed, args, searched[best][0]) for seed in others]
+    return searched, best
+
+
+def sweep_mixer(config_path: str, width: int, args: argparse.Namespace) -> list[dict]:
+    """Every run of one config at one width: the learning-rate search at the first seed (with ``--lrs``), then the
+    other seeds at the best rate; with ``--search-width``, another width trains every seed at the rate kept there.
+    The kept runs are marked ``kept``."""
+    if not args.lrs:
+        rows = [sweep_one(config_path, width, seed, args) for seed in args.seeds]
+        return [{**row, "kept": True} for row in rows if row is not None]
+    if args.search_width not in (None, width):
+        searched, best = rate_search(config_path, args.search_width, args)
+        if not searched:
+            return []
+        rows = [sweep_one(config_path, width, seed, args, searched[best][0]) for seed in args.seeds]
+        return [{**row, "kept": True} for row in rows if row is not None]
+    searched, best = rate_search(config_path, width, args)
+    if not searched:
+        return []
+    kept = [sweep_one(config_path, width, seed, args, searched[best][0]) for seed in args.seeds[1:]]
     return ([{**row, "kept": i == best} for i, (_, row) in enumerate(searched)]
             + [{**row, "kept": True} for row in kept if row is not None])
 
@@ -210,9 +228,10 @@ def rate_table(rows: list[dict]) -> str:
         key = Path(row["config"]).stem, row["dim"]
         if row["seed"] == first_seed[key]:
             searched[key][row["lr"]] = row
-    rates = sorted({lr for by_rate in searched.values() for lr in by_rate})
-    if all(len(by_rate) < 2 for by_rate in searched.values()):
+    searched = {key: by_rate for key, by_rate in searched.items() if len(by_rate) > 1}  # a width given its rate: none
+    if not searched:
         return ""
+    rates = sorted({lr for by_rate in searched.values() for lr in by_rate})
     lines = ["| preset | dim | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|---|" + "---:|" * len(rates)]
     for (preset, dim), by_rate in searched.items():
         cells = [(f"**{trained_accuracy(by_rate[lr]):.3f}**" if by_rate[lr].get("kept", True)
@@ -255,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder of the run directories")
     parser.add_argument("--lrs", type=float, nargs="+", help="learning rates searched at the first seed (optim.lr; "
                                                               "default: each config's own)")
+    parser.add_argument("--search-width", type=int, help="search the rates at this width only: the others train "
+                                                          "every seed at the rate kept there")
     parser.add_argument("--pairs", type=int, nargs="+", help="numbers of pairs scored (eval_recall)")
     parser.add_argument("--seq-lens", type=int, nargs="+", help="lengths scored (eval_recall)")
     parser.add_argument("--settings", type=setting_arg, nargs="+", metavar="T:N",
@@ -270,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     _take_back_overrides(args, sys.argv[1:] if argv is None else argv)
     if bool(args.settings) == bool(args.pairs and args.seq_lens) or (args.settings and (args.pairs or args.seq_lens)):
         parser.error("give the scored settings as --settings, or as --pairs and --seq-lens")
+    if args.search_width is not None and not args.lrs:
+        parser.error("--search-width names the width where --lrs are searched: give --lrs")
     for config_path in args.configs:  # all of them load before any run: a typo fails now, not an hour in
         try:
             cfg = load_run_config(config_path, [*args.overrides, f"model.dim={max(args.widths)}"])

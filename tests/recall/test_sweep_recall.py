@@ -83,22 +83,26 @@ def test_a_bad_config_is_refused_before_any_run(tmp_path):
 
 
 def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path):
-    """Zoology's protocol: every rate at the first seed, the other seeds at the best one; a mixture run scored at
-    --settings, its per-setting validation accuracy logged."""
+    """Zoology's protocol: every rate at the first seed, the other seeds at the best one; with --search-width, the
+    other width trains its seeds at that rate only; a mixture run scored at --settings, its per-setting validation
+    accuracy logged."""
     out = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16",
-         "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4", "--rows", "8",
+         "24", "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4", "--rows", "8",
          "--out", str(out), "--json", str(out / "rows.json"), *BUDGET, "recall.mixture=[{seq_len: 16, num_pairs: 2},"
          " {seq_len: 32, num_pairs: 4}]"], cwd=REPO, capture_output=True, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = json.loads((out / "rows.json").read_text())["rows"]
+    everything = json.loads((out / "rows.json").read_text())["rows"]
+    rows = [row for row in everything if row["dim"] == 16]
     searched = {row["lr"]: row for row in rows if row["seed"] == 0}
     assert sorted(searched) == [1e-4, 3e-3]
     best = max(searched, key=lambda lr: mean(r["accuracy"] for r in searched[lr]["results"] if r["trained"]))
     assert [(row["seed"], row["lr"], row["kept"]) for row in rows if row["seed"] == 1] == [(1, best, True)]
     assert [row["kept"] for row in rows if row["seed"] == 0] == [lr == best for lr in searched]
+    assert [(row["seed"], row["lr"], row["kept"]) for row in everything if row["dim"] == 24] == [
+        (0, best, True), (1, best, True)]  # no search of its own
     for row in rows:
         assert [(r["seq_len"], r["num_pairs"], r["trained"]) for r in row["results"]] == [
             (16, 2, True), (32, 4, True), (64, 4, False)]
@@ -107,7 +111,7 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
     assert {"val/recall_accuracy/T16_N2", "val/recall_accuracy/T32_N4"} <= set(logged)
     table, _, search = result.stdout.strip().split("\n\n")
     table = table.splitlines()
-    assert len(table) == 3 and f"| {best:g} | 2 |" in table[2]  # the kept rate, two seeds
+    assert len(table) == 4 and f"| 16 | {best:g} | 2 |" in table[2] and f"| 24 | {best:g} | 2 |" in table[3]
     kept = [row for row in rows if row["kept"]]
     low, high = sorted(next(r["accuracy"] for r in row["results"] if r["num_pairs"] == 2) for row in kept)
     assert f"| {(low + high) / 2:.3f} ({low:.3f}–{high:.3f}) |" in table[2]  # the mean over seeds, and their range
