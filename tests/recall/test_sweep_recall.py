@@ -88,8 +88,9 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
     accuracy logged."""
     out = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16",
-         "24", "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4", "--rows", "8",
+        [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16", "24",
+         "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4",
+         "--rows", "8",
          "--out", str(out), "--json", str(out / "rows.json"), *BUDGET, "recall.mixture=[{seq_len: 16, num_pairs: 2},"
          " {seq_len: 32, num_pairs: 4}]"], cwd=REPO, capture_output=True, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
