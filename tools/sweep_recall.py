@@ -216,9 +216,9 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def rate_table(rows: list[dict]) -> str:
-    """The learning-rate search: per preset and width, each rate's mean accuracy over the trained settings at the
-    first seed, the kept rate in bold ("" when no preset tried more than one rate)."""
+def rate_table(rows: list[dict], search_width: int | None = None) -> str:
+    """The learning-rate search: per preset and width (``search_width`` only, if given), each rate's mean accuracy
+    over the trained settings at the first seed, the kept rate in bold ("" when no preset tried more than one rate)."""
     first_seed = {}
     for row in rows:
         key = Path(row["config"]).stem, row["dim"]
@@ -228,10 +228,11 @@ def rate_table(rows: list[dict]) -> str:
         key = Path(row["config"]).stem, row["dim"]
         if row["seed"] == first_seed[key]:
             searched[key][row["lr"]] = row
-    searched = {key: by_rate for key, by_rate in searched.items() if len(by_rate) > 1}  # a width given its rate: none
-    if not searched:
-        return ""
+    if search_width is not None:  # the other widths took its rate: they searched nothing
+        searched = {key: by_rate for key, by_rate in searched.items() if key[1] == search_width}
     rates = sorted({lr for by_rate in searched.values() for lr in by_rate})
+    if all(len(by_rate) < 2 for by_rate in searched.values()):
+        return ""
     lines = ["| preset | dim | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|---|" + "---:|" * len(rates)]
     for (preset, dim), by_rate in searched.items():
         cells = [(f"**{trained_accuracy(by_rate[lr]):.3f}**" if by_rate[lr].get("kept", True)
@@ -318,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(rows, args.plot)
     print(markdown_table(rows))
-    if searched := rate_table(rows):
+    if searched := rate_table(rows, args.search_width):
         print(f"\nThe rate search (mean accuracy over the trained settings, seed {min(args.seeds)}; kept in bold):\n")
         print(searched)
     return 0
