@@ -5,6 +5,7 @@ Non-causal as published; causal through the derived prefix form of ``ops.efficie
 import torch
 
 from ..ops import efficient_attention
+from ..ops.documents import split_documents
 from ..ops.efficient import combine_efficient_states, efficient_state
 from .base import Mixer
 from .registry import register
@@ -43,10 +44,9 @@ class EfficientAttention(Mixer):
             num_docs=cu_seqlens.numel() - 1, convolutions=convolutions)
         if self.short_conv:  # the first K − 1 tokens again, now with the previous rank's halo
             q, k, v = self.split(convolutions.final(packet), packed=True)
-        documents = zip(*(x.split(cu_seqlens.diff().tolist(), dim=1) for x in (q, k, v)))  # one backward node each
         pieces = [efficient_attention(*qkv, causal=True, chunk_size=self.chunk_size,
                                       initial_state=(sums[i:i + 1], log_norms[i:i + 1]))
-                  for i, qkv in enumerate(documents) if qkv[0].shape[1] > 0]
+                  for i, qkv in enumerate(split_documents(cu_seqlens, q, k, v)) if qkv[0].shape[1] > 0]
         return torch.cat(pieces, dim=1)
 
     def forward_with_state(self, x, state):

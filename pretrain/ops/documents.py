@@ -50,10 +50,14 @@ def per_document(op, cu_seqlens: torch.Tensor, *tensors: torch.Tensor, **kwargs)
         raise ValueError(f"cu_seqlens needs batch size 1 (flatten [B, T] to [1, B*T]); got batch {tensors[0].shape[0]}")
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
         raise ValueError(f"cu_seqlens must run from 0 to T={total}; got {cu_seqlens.tolist()}")
-    sizes = cu_seqlens.diff().tolist()
-    # split, not a slice per document: each slice's backward would write a zero tensor of all T tokens
-    pieces = zip(*(t.split(sizes, dim=1) for t in tensors))
+    pieces = split_documents(cu_seqlens, *tensors)
     return torch.cat([op(*piece, **kwargs) for piece in pieces if piece[0].shape[1] > 0], dim=1)
+
+
+def split_documents(cu_seqlens: torch.Tensor, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each document's pieces of the packed ``tensors`` (tokens on dim 1), the i-th for document i (empty ones
+    included). One split per tensor, not a slice per document: each slice's backward writes all T tokens."""
+    return list(zip(*(t.split(cu_seqlens.diff().tolist(), dim=1) for t in tensors)))
 
 
 def document_ids(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
