@@ -245,12 +245,14 @@ def plot(rows: list[dict], path: Path) -> None:
     """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per trained
     (length, pairs) setting (where Zoology draws it; the settings beyond them are in the table)."""
     plt = benchlib.pyplot()
+    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+
     table = summary(rows)
     trained = sorted({(r["seq_len"], r["num_pairs"]) for row in rows for r in row["results"] if r["trained"]})
     settings = trained or settings_of(rows)
     mixers = list(dict.fromkeys(mixer for mixer, _ in table))
     colors = plt.get_cmap("tab20").colors  # more presets than the default cycle's 10 colours: none may share one
-    fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings), 3.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(settings), figsize=(3.2 * len(settings) + 1.8, 3.4), sharey=True, squeeze=False)
     for ax, (seq_len, pairs) in zip(axes[0], settings):
         for i, mixer in enumerate(mixers):
             points = sorted((e["state_bytes"][seq_len], e["accuracy"][seq_len, pairs])
@@ -259,11 +261,14 @@ def plot(rows: list[dict], path: Path) -> None:
                 ax.plot(*zip(*points), marker="os^Dv<>p"[i % 8], color=colors[i % len(colors)], label=mixer)
         ax.axhline(1 / pairs, color="gray", linestyle="--", linewidth=0.8, label="1/pairs")  # a guess among the values
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # within a decade or two: 20k, 50k, 100k, ...
+        ax.xaxis.set_major_formatter(EngFormatter(unit="B", sep=" "))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"T={seq_len}, {pairs} pairs", fontsize=9)
         ax.set_xlabel("state bytes")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("recall accuracy")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # beside the panels, off the points
     benchlib.save_figure(fig, path)
 
 
