@@ -67,14 +67,22 @@ class Record:
         return {run_dir_of(row): row for row in json.loads(self.path.read_text())["rows"]}
 
     def add(self, rows: list[dict], header: dict) -> None:
-        """Merge ``rows`` into the file: a run already there is replaced, the others' rows are kept."""
+        """Merge ``rows`` into the file. A run already there keeps its row and takes only the new ``kept`` mark, the
+        one field a sweep judges again: a sweep hands back every row it read at its start, and the file's row may
+        have been corrected since (by hand, or by a part running beside it)."""
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         folder = os.open(self.path.parent, os.O_RDONLY)
         try:
             fcntl.flock(folder, fcntl.LOCK_EX)
-            merged = self.rows() | {run_dir_of(row): row for row in rows}
+            merged = self.rows()
+            for row in rows:
+                run_dir = run_dir_of(row)
+                if run_dir not in merged:
+                    merged[run_dir] = row
+                elif "kept" in row:
+                    merged[run_dir]["kept"] = row["kept"]
             temporary = self.path.with_name(self.path.name + ".tmp")
             temporary.write_text(json.dumps({**header, "rows": list(merged.values())}, indent=1))
             temporary.replace(self.path)

@@ -131,13 +131,23 @@ def _add_rows(path: str, first: int, count: int) -> None:
         Record(Path(path)).add([{"train_command": f"python launch/pretrain.py run.dir=runs/r{i}", "i": i}], {})
 
 
+def test_a_sweep_handing_back_the_rows_it_read_rewrites_only_their_kept_marks(tmp_path, load_tool):
+    """A sweep returns every recorded row it read at its start; a correction made to the file since must survive."""
+    record = load_tool("sweep_recall").Record(tmp_path / "rows.json")
+    command = "python launch/pretrain.py run.dir=runs/r0"
+    read_at_start = {"train_command": command, "train_s": 4.0, "kept": False}
+    record.add([read_at_start], {"lrs": None})
+    corrected = json.loads((tmp_path / "rows.json").read_text())
+    corrected["rows"][0]["train_s"] = 1605.0  # a hand edit while the sweep runs
+    (tmp_path / "rows.json").write_text(json.dumps(corrected))
+    record.add([{**read_at_start, "kept": True}], {"lrs": [1e-3]})
+    assert record.rows() == {"runs/r0": {"train_command": command, "train_s": 1605.0, "kept": True}}
+    assert json.loads((tmp_path / "rows.json").read_text())["lrs"] == [1e-3]
+
+
 @pytest.mark.dist
 def test_the_record_keeps_every_part_of_a_sweep_run_side_by_side(tmp_path, load_tool):
     record = load_tool("sweep_recall").Record(tmp_path / "rows.json")
-    record.add([{"train_command": "python launch/pretrain.py run.dir=runs/r0", "i": 0}], {"lrs": None})
-    record.add([{"train_command": "python launch/pretrain.py run.dir=runs/r0", "i": -1}], {"lrs": [1e-3]})
-    assert record.rows() == {"runs/r0": {"train_command": "python launch/pretrain.py run.dir=runs/r0", "i": -1}}
-    assert json.loads((tmp_path / "rows.json").read_text())["lrs"] == [1e-3]
 
     context = multiprocessing.get_context("spawn")
     parts = [context.Process(target=_add_rows, args=(str(tmp_path / "rows.json"), first, 20)) for first in (1, 21)]
@@ -146,5 +156,5 @@ def test_the_record_keeps_every_part_of_a_sweep_run_side_by_side(tmp_path, load_
     for part in parts:
         part.join()
     assert [part.exitcode for part in parts] == [0, 0]
-    assert sorted(row["i"] for row in record.rows().values()) == [-1, *range(1, 41)]  # no part's row lost
+    assert sorted(row["i"] for row in record.rows().values()) == list(range(1, 41))  # no part's row lost
     assert [path.name for path in tmp_path.iterdir()] == ["rows.json"]  # no temporary file left behind
