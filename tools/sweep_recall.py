@@ -168,13 +168,24 @@ def sweep_mixer(config_path: str, width: int, args: argparse.Namespace) -> list[
         if not searched:
             return []
         rows = [sweep_one(config_path, width, seed, args, searched[best][0]) for seed in args.seeds]
-        return [{**row, "kept": True} for row in rows if row is not None]
+        return ([{**row, "kept": True} for row in rows if row is not None]
+                + left_behind(config_path, width, args.seeds, searched[best][0], args))
     searched, best = rate_search(config_path, width, args)
     if not searched:
         return []
     kept = [sweep_one(config_path, width, seed, args, searched[best][0]) for seed in args.seeds[1:]]
     return ([{**row, "kept": i == best} for i, (_, row) in enumerate(searched)]
-            + [{**row, "kept": True} for row in kept if row is not None])
+            + [{**row, "kept": True} for row in kept if row is not None]
+            + left_behind(config_path, width, args.seeds[1:], searched[best][0], args))
+
+
+def left_behind(config_path: str, width: int, seeds: list[int], rate: float, args: argparse.Namespace
+                ) -> list[dict]:
+    """Recorded runs of these seeds at a rate the search no longer keeps (a better one finished since they
+    trained), marked not kept: they stay in the record, out of the table."""
+    return [{**row, "kept": False} for row in args.recorded.values()
+            if Path(row["config"]).stem == Path(config_path).stem and row["dim"] == width and row["seed"] in seeds
+            and row["lr"] != rate]
 
 
 def settings_of(rows: list[dict]) -> list[tuple[int, int]]:

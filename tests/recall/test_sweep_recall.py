@@ -122,6 +122,27 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
                                    "| linear | 16 | " + " | ".join(f"**{accuracy[lr]}**" if lr == best else accuracy[lr]
                                                                    for lr in (1e-4, 3e-3)) + " |"]
 
+    # The other rate scores best after all (as when a rate finishes in a later part): gathering again moves the
+    # search, and the runs made at the old rate stay in the record, no longer kept.
+    other = next(lr for lr in searched if lr != best)
+    record = json.loads((out / "rows.json").read_text())
+    for row in record["rows"]:
+        if row["dim"] == 16 and row["seed"] == 0 and row["lr"] == other:
+            row["results"] = [{**r, "accuracy": 1.0} if r["trained"] else r for r in row["results"]]
+    (out / "rows.json").write_text(json.dumps(record))
+    moved = subprocess.run(
+        [sys.executable, "tools/sweep_recall.py", "--finished-only", "--configs", "configs/recall/linear.yaml",
+         "--widths", "16", "24", "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings",
+         "16:2", "32:4", "64:4", "--rows", "8", "--out", str(out), "--json", str(out / "rows.json"), *BUDGET,
+         "recall.mixture=[{seq_len: 16, num_pairs: 2}, {seq_len: 32, num_pairs: 4}]"], cwd=REPO, capture_output=True,
+        text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert moved.returncode == 0, moved.stderr[-4000:]
+    marks = {(row["dim"], row["seed"], row["lr"]): row["kept"]
+             for row in json.loads((out / "rows.json").read_text())["rows"]}
+    assert marks == {(16, 0, other): True, (16, 0, best): False, (16, 1, best): False, (24, 0, best): False,
+                     (24, 1, best): False}
+    assert f"| linear | 16 | {other:g} | 1 |" in moved.stdout  # the one seed run at the rate kept now
+
 
 def _add_rows(path: str, first: int, count: int) -> None:
     """One part of a sweep recording its runs one at a time (a child process: the parts of a sweep run apart)."""
