@@ -82,18 +82,22 @@ def test_a_bad_config_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "sweep").exists()
 
 
+def search_sweep(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A rate search at width 16 whose rate width 24 takes, trained on a mixture, scored beyond it."""
+    return subprocess.run(
+        [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16", "24",
+         "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4",
+         "--rows", "8", "--out", str(out), "--json", str(out / "rows.json"), *extra, *BUDGET,
+         "recall.mixture=[{seq_len: 16, num_pairs: 2}, {seq_len: 32, num_pairs: 4}]"],
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path):
     """Zoology's protocol: every rate at the first seed, the other seeds at the best one; with --search-width, the
     other width trains its seeds at that rate only; a mixture run scored at --settings, its per-setting validation
     accuracy logged."""
     out = tmp_path / "sweep"
-    result = subprocess.run(
-        [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16", "24",
-         "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings", "16:2", "32:4", "64:4",
-         "--rows", "8",
-         "--out", str(out), "--json", str(out / "rows.json"), *BUDGET, "recall.mixture=[{seq_len: 16, num_pairs: 2},"
-         " {seq_len: 32, num_pairs: 4}]"], cwd=REPO, capture_output=True, text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = search_sweep(out)
     assert result.returncode == 0, result.stderr[-4000:]
     everything = json.loads((out / "rows.json").read_text())["rows"]
     rows = [row for row in everything if row["dim"] == 16]
@@ -130,12 +134,7 @@ def test_a_learning_rate_search_keeps_the_best_rate_for_the_other_seeds(tmp_path
         if row["dim"] == 16 and row["seed"] == 0 and row["lr"] == other:
             row["results"] = [{**r, "accuracy": 1.0} if r["trained"] else r for r in row["results"]]
     (out / "rows.json").write_text(json.dumps(record))
-    moved = subprocess.run(
-        [sys.executable, "tools/sweep_recall.py", "--finished-only", "--configs", "configs/recall/linear.yaml",
-         "--widths", "16", "24", "--search-width", "16", "--lrs", "1e-4", "3e-3", "--seeds", "0", "1", "--settings",
-         "16:2", "32:4", "64:4", "--rows", "8", "--out", str(out), "--json", str(out / "rows.json"), *BUDGET,
-         "recall.mixture=[{seq_len: 16, num_pairs: 2}, {seq_len: 32, num_pairs: 4}]"], cwd=REPO, capture_output=True,
-        text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    moved = search_sweep(out, "--finished-only")
     assert moved.returncode == 0, moved.stderr[-4000:]
     marks = {(row["dim"], row["seed"], row["lr"]): row["kept"]
              for row in json.loads((out / "rows.json").read_text())["rows"]}
