@@ -6,18 +6,23 @@
 The rows come from the ``test`` stream of ``--seed``, which no training or validation batch draws. Each setting
 reports the share of answers whose argmax is right, their mean NLL, and the bytes of the model's decoding state
 after a prompt of that length (every layer's, one row, fp32): constant for the linear mixers, a KV cache growing
-with length for softmax. A setting the model cannot run (more pairs than the length holds, a length beyond
-aft_full's ``max_seq_len``) is reported with the reason and no accuracy.
+with length for softmax. For each layer whose state decays (retnet, mamba2, gated_deltanet) it also reports the
+mean log-decay per token over those rows (``log_decay``): about ``−1/mean`` tokens is how far back that layer's
+trained gate remembers, the reading that tells a gate stuck forgetting fast from one that learned to hold. A
+setting the model cannot run (more pairs than the length holds, a length beyond aft_full's ``max_seq_len``) is
+reported with the reason and no accuracy.
 """
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from pretrain.attention.base import Mixer  # noqa: E402
 from pretrain.cli_help import HelpFormatter  # noqa: E402
 from pretrain.data.mqar import MQARLoader, MQARSettingError  # noqa: E402
 from pretrain.tasks.recall import mixture_of, recall_scores  # noqa: E402
@@ -41,6 +46,33 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+@contextmanager
+def decay_readings(model):
+    """Yields a dict that, on leaving, maps each layer whose state decays (its mixer's module name) to the mean of
+    its ``log_decay`` over the heads and tokens of every forward pass made inside."""
+    totals: dict[str, list[float]] = {}
+
+    def reading(name):
+        def read(mixer, args):
+            g = mixer.log_decay(args[0])
+            if g is not None:
+                tokens = args[0].shape[0] * args[0].shape[1]
+                total = totals.setdefault(name, [0.0, 0])
+                total[0] += g.double().mean().item() * tokens
+                total[1] += tokens
+        return read
+
+    hooks = [module.register_forward_pre_hook(reading(name)) for name, module in model.named_modules()
+             if isinstance(module, Mixer)]
+    means: dict[str, float] = {}
+    try:
+        yield means
+    finally:
+        for hook in hooks:
+            hook.remove()
+        means.update({name: total / tokens for name, (total, tokens) in totals.items()})
+
+
 @torch.no_grad()
 def trained_settings(cfg) -> list[tuple[int, int]]:
     """The ``(seq_len, num_pairs)`` settings the run trained on."""
@@ -55,11 +87,13 @@ def score(model, cfg, *, seq_len: int, num_pairs: int, rows: int, batch_size: in
         stream = MQARLoader(vocab_size=cfg.recall.vocab_size, seq_len=seq_len, num_pairs=num_pairs,
                             batch_size=batch_size, query_power=cfg.recall.query_power, seed=seed, split="test")
         result["state_bytes"] = state_bytes(model, seq_len)
-        correct, answers, nll = recall_scores(model, map(stream.batch, range(-(-rows // batch_size))),
-                                              torch.device("cpu")).tolist()
+        with decay_readings(model) as log_decay:
+            correct, answers, nll = recall_scores(model, map(stream.batch, range(-(-rows // batch_size))),
+                                                  torch.device("cpu")).tolist()
     except (MQARSettingError, ValueError) as err:  # ValueError: a mixer refusing the length (aft_full)
         return {**result, "skipped": str(err)}
-    return {**result, "accuracy": correct / answers, "nll": nll / answers, "answers": int(answers)}
+    result.update(accuracy=correct / answers, nll=nll / answers, answers=int(answers))
+    return {**result, "log_decay": log_decay} if log_decay else result
 
 
 def setting_arg(text: str) -> tuple[int, int]:
@@ -107,11 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
-    print("| seq_len | pairs | accuracy | nll | state bytes |\n|---|---|---|---|---|")
+    decays = any("log_decay" in r for r in results)
+    header = "| seq_len | pairs | accuracy | nll | state bytes |" + " mean log-decay per token, by layer |" * decays
+    print(header + "\n|---|---|---|---|---|" + "---|" * decays)
     for r in results:
         accuracy = f"{r['accuracy']:.3f}" if "accuracy" in r else f"— ({r['skipped']})"
         nll = f"{r['nll']:.3f}" if "nll" in r else "—"
-        print(f"| {r['seq_len']} | {r['num_pairs']} | {accuracy} | {nll} | {r.get('state_bytes', '—')} |")
+        line = f"| {r['seq_len']} | {r['num_pairs']} | {accuracy} | {nll} | {r.get('state_bytes', '—')} |"
+        if decays:
+            line += " " + ", ".join(f"{value:.2g}" for value in r.get("log_decay", {}).values()) + " |"
+        print(line)
     return 0
 
 

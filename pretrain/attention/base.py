@@ -101,6 +101,12 @@ class Mixer(nn.Module):
         that apply one."""
         return q, k, v
 
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The log of the factor the state is multiplied by at each token of ``x [B, T, C]``, ≤ 0: ``[B, T, H]`` for a
+        data-dependent gate, ``[H]`` for a fixed decay; None for a state that does not decay. What the op is given,
+        so a reading of it (``tools/eval_recall.py``) says how far back the trained gates remember."""
+        return None
+
     def step(self, x_t: torch.Tensor, state=None):
         """One token ``[B, C]`` with the state of the tokens before it (None at the start) → ``(y_t, state)``."""
         y, state = self.forward_with_state(x_t[:, None], state)

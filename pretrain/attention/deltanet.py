@@ -88,11 +88,13 @@ class DeltaNet(Mixer):
 
     def _write_and_decay(self, x):
         """β and the log-decay ``g`` ``[B, T, H]`` (None without the gate)."""
-        beta = torch.sigmoid(self.beta_proj(x))
+        return torch.sigmoid(self.beta_proj(x)), self.log_decay(x)
+
+    def log_decay(self, x):
         if not self.gate:
-            return beta, None
+            return None
         decay = upcast(self.decay_proj(x))[0]  # fp32 at least: the op sums g over a chunk, bf16's rounding would add up
-        return beta, -self.A_log.to(decay.dtype).exp() * F.softplus(decay + self.dt_bias.to(decay.dtype))
+        return -self.A_log.to(decay.dtype).exp() * F.softplus(decay + self.dt_bias.to(decay.dtype))
 
     def _output(self, o, x):
         """Per-head RMSNorm of ``o [B, T, H, D]``, gated by ``SiLU(W_g x)``, then the output projection."""

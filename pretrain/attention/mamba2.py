@@ -139,7 +139,14 @@ class Mamba2(Mixer):
     def _op_inputs(self, convolved, dt):
         """The values (for D's skip) and the op's q, k, v = x·Δ and log-decay g = Δ·A ≤ 0."""
         values, k, q = self._heads(convolved)
-        return values, q, k, values * dt[..., None], dt * -self.A_log.exp()
+        return values, q, k, values * dt[..., None], self._log_decay_of(dt)
+
+    def log_decay(self, x):
+        return self._log_decay_of(self._dt(x))
+
+    def _log_decay_of(self, dt):
+        """``g = Δ·A``, ``A = −exp(A_log)`` per head."""
+        return dt * -self.A_log.exp()
 
     def _output(self, x, y, values):
         """The D skip, the gated RMSNorm and the output projection."""

@@ -1,6 +1,8 @@
 """``retnet`` and ``mamba2`` held to their papers' formulas, written here independently of the decayed op: RetNet's
 parallel retention ``(Q Kᵀ ⊙ D) V`` with ``D_nm = γ^{n−m}``, and Mamba-2's SSD recurrence token by token with
 ``torch``'s own depthwise ``conv1d`` (fp64, 1e-10)."""
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +115,37 @@ def test_the_lm_hands_each_layer_its_place():
     decays = [block.mixer.log_decay(torch.zeros((), dtype=torch.float64)) for block in build_model(cfg).layers]
     for index, decay in enumerate(decays):
         torch.testing.assert_close(decay, lightning_log_decay(2, index, 3))
+
+
+@pytest.mark.parametrize("name, op, position", [("retnet", "retnet.decayed_linear_attention", 3),
+                                                ("mamba2", "mamba2.decayed_linear_attention", 3),
+                                                ("gated_deltanet", "deltanet.delta_rule", 4),
+                                                ("deltanet", "deltanet.delta_rule", 4)])
+def test_log_decay_is_the_decay_the_op_applies(make_mixer, monkeypatch, name, op, position):
+    """``Mixer.log_decay`` (what ``tools/eval_recall.py`` reads of the trained gates) is the ``g`` the op is handed,
+    in training's forward and in decoding's; None where the op gets none."""
+    module_name, function = op.rsplit(".", 1)
+    module = importlib.import_module(f"pretrain.attention.{module_name}")
+    original, given = getattr(module, function), []
+
+    def recording(*args, **kwargs):
+        given.append(args[position])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, function, recording)
+    mixer = make_mixer(name, causal=True, chunk_size=8)
+    x = torch.randn(2, T, DIM, dtype=torch.float64)
+    mixer(x)
+    mixer.prefill(x)
+    expected = mixer.log_decay(x)
+    assert len(given) == 2
+    for g in given:
+        if expected is None:
+            assert g is None
+        else:
+            assert torch.equal(g, expected) and bool((g <= 0).all()), name
+
+
+@pytest.mark.parametrize("name", ["linear", "softmax", "inline"])
+def test_a_state_that_does_not_decay_has_no_log_decay(make_mixer, name):
+    assert make_mixer(name, causal=True).log_decay(torch.randn(1, T, DIM, dtype=torch.float64)) is None
