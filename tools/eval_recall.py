@@ -29,6 +29,7 @@ from pretrain.tasks.recall import mixture_of, recall_scores  # noqa: E402
 from pretrain.train.checkpoint import load_trained_model  # noqa: E402
 
 
+@torch.no_grad()
 def state_bytes(model, seq_len: int) -> int:
     """Bytes of every layer's decoding state after a ``seq_len``-token prompt of one row."""
     _, states = model.prefill(torch.zeros(1, seq_len, dtype=torch.long))
@@ -73,7 +74,6 @@ def decay_readings(model):
         means.update({name: total / tokens for name, (total, tokens) in totals.items()})
 
 
-@torch.no_grad()
 def trained_settings(cfg) -> list[tuple[int, int]]:
     """The ``(seq_len, num_pairs)`` settings the run trained on."""
     return mixture_of(cfg) or [(cfg.train.seq_len, cfg.recall.num_pairs)]
