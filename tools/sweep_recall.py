@@ -19,10 +19,13 @@ refused: its figures would pass for this sweep's). The ``--json`` file is the sw
 it as soon as it is scored, and a run found there is not redone either, so the sweep goes on in a fresh checkout
 whose run directories are gone (they are not committed; the record is). ``--finished-only`` trains nothing: it
 gathers the runs already scored, so a sweep run in parts (several processes on disjoint configs, over several
-sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. Prints a markdown
-table of accuracy (mean over seeds, and their range) per mixer and width at each setting, for the configs given
-(the record keeps the others' rows too); ``--plot`` draws accuracy against the decoding state's bytes at the trained
-length, one panel per number of pairs (the plot of Zoology, arXiv 2312.04927).
+sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. ``--rescore`` trains
+nothing either: it scores every finished run again on its checkpoint, so what ``eval_recall`` learned to report
+after a run was scored joins its row (its accuracies must come back as recorded). Prints a markdown table of
+accuracy (mean over seeds, and their range) per mixer and width at each setting, for the configs given (the record
+keeps the others' rows too), the rate search, and each decaying run's gate readings; ``--plot`` draws accuracy
+against the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
+2312.04927).
 """
 import argparse
 import fcntl
@@ -66,10 +69,11 @@ class Record:
             return {}
         return {run_dir_of(row): row for row in json.loads(self.path.read_text())["rows"]}
 
-    def add(self, rows: list[dict], header: dict) -> None:
-        """Merge ``rows`` into the file. A run already there keeps its row and takes only the new ``kept`` mark, the
-        one field a sweep judges again: a sweep hands back every row it read at its start, and the file's row may
-        have been corrected since (by hand, or by a part running beside it)."""
+    def add(self, rows: list[dict], header: dict, field: str = "kept") -> None:
+        """Merge ``rows`` into the file. A run already there keeps its row and takes only the new ``field``: the
+        ``kept`` mark, the one field a sweep judges again (a sweep hands back every row it read at its start, and
+        the file's row may have been corrected since, by hand or by a part running beside it), or the ``results``
+        of a run scored again."""
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +85,8 @@ class Record:
                 run_dir = run_dir_of(row)
                 if run_dir not in merged:
                     merged[run_dir] = row
-                elif "kept" in row:
-                    merged[run_dir]["kept"] = row["kept"]
+                elif field in row:
+                    merged[run_dir][field] = row[field]
             temporary = self.path.with_name(self.path.name + ".tmp")
             temporary.write_text(json.dumps({**header, "rows": list(merged.values())}, indent=1))
             temporary.replace(self.path)
@@ -93,7 +97,7 @@ class Record:
 def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace, lr: float | None = None
               ) -> dict | None:
     """Train and score one setting, or read its row from the record or its ``eval.json`` when an earlier sweep got
-    that far (None: not scored yet, with ``--finished-only``)."""
+    that far, scored again with ``--rescore`` (None: not scored yet, with ``--finished-only`` or ``--rescore``)."""
     rate = "" if lr is None else f"_lr{lr:g}"
     run_dir = args.out / f"{Path(config_path).stem}_d{width}{rate}_s{seed}"
     result_file = run_dir / "eval.json"
@@ -115,8 +119,8 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
                 where = f"{args.json} records {run_dir} as" if recorded else f"{run_dir} holds"
                 raise SystemExit(f"{where} a run made by another {kind} command ({row[f'{kind}_command']}); give "
                                  "another --out (and --json) or delete it")
-        return row
-    if args.finished_only:
+        return rescored(row, run_dir, evaluate, args) if args.rescore else row
+    if args.finished_only or args.rescore:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
@@ -133,6 +137,33 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
            "results": scores["results"], "train_command": shlex.join(train), "eval_command": shlex.join(evaluate)}
     result_file.write_text(json.dumps(row, indent=1))
     args.record.add([row], args.header)
+    return row
+
+
+def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Namespace) -> dict:
+    """``row`` with its results from its own eval command run again on its checkpoint: what ``eval_recall`` has
+    learned to report since the run was scored (its gate readings) joins the record without training. The
+    accuracies must come back as recorded, or the checkpoint or the scored rows have changed: the tool stops there,
+    naming the run, and leaves its row as it was. A run whose folder is gone keeps its row."""
+    if not (run_dir / "checkpoints" / "latest").exists():
+        print(f"{run_dir}: no checkpoint here, its row stays as scored", file=sys.stderr, flush=True)
+        return row
+    scores = run_dir / "rescored.json"
+    command = [*evaluate]
+    command[command.index("--json") + 1] = str(scores)
+    benchlib.run_logged(command, run_dir / "rescore.log")
+    results = json.loads(scores.read_text())["results"]
+    def accuracies(scored):
+        return [(r["seq_len"], r["num_pairs"], r.get("accuracy")) for r in scored]
+
+    before, after = accuracies(row["results"]), accuracies(results)
+    if after != before:
+        raise SystemExit(f"{run_dir} scores {after} now ({scores}), {before} in its row: its checkpoint or "
+                         "eval_recall's rows changed since it was scored; its row is left as it was")
+    scores.replace(run_dir / "scores.json")
+    row = {**row, "results": results}
+    (run_dir / "eval.json").write_text(json.dumps(row, indent=1))
+    args.record.add([row], args.header, field="results")
     return row
 
 
@@ -260,6 +291,33 @@ def rate_table(rows: list[dict], search_width: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def gate_table(rows: list[dict]) -> str:
+    """Each run's mean log-decay per token, layer by layer, at the largest setting it trained on, beside its
+    accuracy there: a gate stuck forgetting fast (below about −1/distance between a pair and its query) next to the
+    recall it costs. Rows scored before eval_recall read gates have none ("" when no row has)."""
+    lines = []
+    for row in rows:
+        trained = [r for r in row["results"] if r["trained"] and "log_decay" in r]
+        if trained:
+            at = max(trained, key=lambda r: r["seq_len"])
+            lines.append(f"| {Path(row['config']).stem} | {row['dim']} | {row['lr']:g} | {row['seed']} | "
+                         f"{'yes' if row.get('kept', True) else ''} | {at['seq_len']}:{at['num_pairs']} | "
+                         f"{at['accuracy']:.3f} | " + ", ".join(map(short_number, at["log_decay"].values())) + " |")
+    if not lines:
+        return ""
+    head = "| preset | dim | lr | seed | kept | T:N | accuracy | mean log-decay per token, decaying layers in order |"
+    return "\n".join([head, "|---|---|---|---|---|---|---:|---|", *lines])
+
+
+def short_number(value: float) -> str:
+    """Two significant digits, a power of ten written as such: −0.0018, −1.1·10⁻⁶."""
+    text = f"{value:.2g}"
+    if "e" in text:
+        mantissa, exponent = text.split("e")
+        text = f"{mantissa}·10" + str(int(exponent)).translate(str.maketrans("-0123456789", "⁻⁰¹²³⁴⁵⁶⁷⁸⁹"))
+    return text.replace("-", "−")
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Accuracy against decoding-state bytes (log scale), one line per mixer through its widths, a panel per trained
     (length, pairs) setting (where Zoology draws it; the settings beyond them are in the table)."""
@@ -308,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=256, help="rows scored per setting")
     parser.add_argument("--finished-only", action="store_true",
                         help="train nothing: gather the runs already scored (a sweep run in parts)")
+    parser.add_argument("--rescore", action="store_true",
+                        help="train nothing: score every run already scored again, on its checkpoint, with its own "
+                             "eval command, and record what eval_recall reports now (its accuracies must not move)")
     parser.add_argument("--json", type=Path, help="the record: every run's row (with its commands), added as each "
                                                    "is scored; a run recorded here is not redone")
     parser.add_argument("--plot", type=Path, help="write the accuracy-against-state-size plot here (PNG)")
@@ -346,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     if searched := rate_table(rows, args.search_width):
         print(f"\nThe rate search (mean accuracy over the trained settings, seed {min(args.seeds)}; kept in bold):\n")
         print(searched)
+    if gates := gate_table(rows):
+        print("\nWhat the gates learned (mean log-decay per token at the largest trained setting):\n")
+        print(gates)
     return 0
 
 

@@ -178,3 +178,67 @@ def test_the_record_keeps_every_part_of_a_sweep_run_side_by_side(tmp_path, load_
     assert [part.exitcode for part in parts] == [0, 0]
     assert sorted(row["i"] for row in record.rows().values()) == list(range(1, 41))  # no part's row lost
     assert [path.name for path in tmp_path.iterdir()] == ["rows.json"]  # no temporary file left behind
+
+
+def gated_sweep(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Mamba-2, whose gates depend on the data, at the smallest size: one run, scored at two settings."""
+    return subprocess.run(
+        [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall_zoology/mamba2.yaml", "--widths", "16",
+         "--settings", "16:2", "32:4", "--rows", "8", "--out", str(out), "--json", str(out / "rows.json"), *extra,
+         *BUDGET, "recall.mixture=[{seq_len: 16, num_pairs: 2}, {seq_len: 32, num_pairs: 4}]",
+         "model.mixer_options.mamba2.state_size=8"],
+        cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_rescoring_adds_what_eval_recall_reports_now_without_training(tmp_path):
+    """A run scored before eval_recall read gates (its rows stripped of them here) gets them from --rescore: its own
+    eval command again, on its checkpoint, its accuracies as recorded, nothing trained. An accuracy that moved stops
+    the tool naming the run, with the record as it was."""
+    out = tmp_path / "sweep"
+    first = gated_sweep(out)
+    assert first.returncode == 0, first.stderr[-4000:]
+    (row,) = json.loads((out / "rows.json").read_text())["rows"]
+    read = [r["log_decay"] for r in row["results"]]
+    assert all(list(decay) == ["layers.0.mixer", "layers.1.mixer"] for decay in read)
+    assert all(value < 0 for decay in read for value in decay.values())
+    assert "What the gates learned" in first.stdout and "| mamba2 | 16 | 0.003 | 0 | yes | 32:4 |" in first.stdout
+
+    record = json.loads((out / "rows.json").read_text())
+    for r in record["rows"][0]["results"]:
+        del r["log_decay"]
+    (out / "rows.json").write_text(json.dumps(record))
+    (run_dir,) = [path for path in out.iterdir() if path.is_dir()]
+    (run_dir / "eval.json").unlink()  # the record alone holds the old row
+    train_log = (run_dir / "train.log").read_text()
+    again = gated_sweep(out, "--rescore")
+    assert again.returncode == 0, again.stderr[-4000:]
+    (rescored,) = json.loads((out / "rows.json").read_text())["rows"]
+    assert rescored == {**row, "kept": True}  # the readings back, every other figure as it was
+    assert json.loads((run_dir / "eval.json").read_text())["results"] == row["results"]
+    assert (run_dir / "train.log").read_text() == train_log
+    assert "What the gates learned" in again.stdout
+
+    record = json.loads((out / "rows.json").read_text())
+    record["rows"][0]["results"][0]["accuracy"] = -1.0  # a row that no longer matches its checkpoint
+    (out / "rows.json").write_text(json.dumps(record))
+    moved = gated_sweep(out, "--rescore")
+    assert moved.returncode == 1 and str(run_dir) in moved.stderr and "changed since it was scored" in moved.stderr, \
+        moved.stderr[-2000:]
+    assert json.loads((out / "rows.json").read_text()) == record
+    assert json.loads((run_dir / "eval.json").read_text())["results"] == row["results"]
+
+
+def test_the_gate_table_reads_each_decaying_run_at_its_largest_trained_setting(load_tool):
+    tool = load_tool("sweep_recall")
+    result = {"trained": True, "accuracy": 0.5, "num_pairs": 4}
+    gated = {"config": "configs/recall_zoology/mamba2.yaml", "dim": 64, "lr": 0.01, "seed": 1, "kept": False,
+             "results": [{**result, "seq_len": 64, "log_decay": {"layers.0.mixer": -9.0}},
+                         {**result, "seq_len": 256, "accuracy": 0.871,
+                          "log_decay": {"layers.0.mixer": -1.04e-6, "layers.1.mixer": -0.00838}},
+                         {**result, "seq_len": 512, "trained": False, "log_decay": {"layers.0.mixer": -9.0}}]}
+    plain = {"config": "configs/recall_zoology/softmax.yaml", "dim": 64, "lr": 0.003, "seed": 0,
+             "results": [{**result, "seq_len": 256}]}
+    assert tool.gate_table([plain]) == ""  # a run scored before the readings, or one whose state does not decay
+    assert tool.gate_table([plain, gated]).splitlines()[2:] == [
+        "| mamba2 | 64 | 0.01 | 1 |  | 256:4 | 0.871 | −1·10⁻⁶, −0.0084 |"]
+    assert [tool.short_number(v) for v in (-1.0, -10.0, -123.0, -0.036)] == ["−1", "−10", "−1.2·10²", "−0.036"]
