@@ -144,7 +144,10 @@ def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Names
     """``row`` with its results from its own eval command run again on its checkpoint: what ``eval_recall`` has
     learned to report since the run was scored (its gate readings) joins the record without training. The
     accuracies must come back as recorded, or the checkpoint or the scored rows have changed: the tool stops there,
-    naming the run, and leaves its row as it was. A run whose folder is gone keeps its row."""
+    naming the run, and leaves its row as it was. A run whose folder is gone keeps its row. Each run is scored once
+    however many widths take the rate searched at one."""
+    if str(run_dir) in args.rescored:
+        return args.rescored[str(run_dir)]
     if not (run_dir / "checkpoints" / "latest").exists():
         print(f"{run_dir}: no checkpoint here, its row stays as scored", file=sys.stderr, flush=True)
         return row
@@ -164,6 +167,7 @@ def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Names
     row = {**row, "results": results}
     (run_dir / "eval.json").write_text(json.dumps(row, indent=1))
     args.record.add([row], args.header, field="results")
+    args.rescored[str(run_dir)] = row
     return row
 
 
@@ -388,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--configs {config_path}: task {cfg.task!r}; the sweep trains task: recall configs")
     args.record = Record(args.json)
     args.recorded = args.record.rows()
+    args.rescored = {}
     args.header = {"overrides": args.overrides, "lrs": args.lrs, "pairs": args.pairs, "seq_lens": args.seq_lens,
                    "settings": args.settings}
     rows = []
