@@ -22,6 +22,7 @@ a size that does not fit fails cleanly instead of pushing the machine into swap.
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import time
@@ -62,10 +63,13 @@ def timed(fn, step: Step, device) -> float:
 
 
 def run_logged(command: list[str], log: Path) -> float:
-    """Run ``command`` (in the checkout) with its output in ``log``; its wall time in seconds. A failure ends the
-    tool naming the command and the log: a sweep's training or scoring step."""
+    """Run ``command`` (in the checkout) with its output added to ``log``, after those of earlier tries (a run
+    stopped and started again keeps both); its wall time in seconds. A failure ends the tool naming the command and
+    the log: a sweep's training or scoring step."""
     start = time.perf_counter()
-    with log.open("w") as out:
+    with log.open("a") as out:
+        out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
+        out.flush()
         code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, cwd=CHECKOUT)
     if code != 0:
         raise SystemExit(f"exit {code}: {' '.join(command)}\n(see {log})")

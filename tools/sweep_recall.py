@@ -34,6 +34,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from statistics import mean
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from pretrain.cli_help import HelpFormatter  # noqa: E402
 from pretrain.config import ConfigError  # noqa: E402
 from pretrain.tasks.config_checks import load_run_config  # noqa: E402
+from pretrain.train import checkpoint  # noqa: E402
 
 import benchlib  # noqa: E402  (tools/, beside this script)
 from eval_recall import setting_arg  # noqa: E402
@@ -123,21 +125,48 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
     if args.finished_only or args.rescore:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()[0]
-    train_s = benchlib.run_logged(train, run_dir / "train.log")
-    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # 1-minute load average before and after training
+    attempts = trained(train, run_dir)
     benchlib.run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "scores.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     cfg = load_run_config(config_path, overrides)
     row = {"config": config_path, "mixer": mixer_label(cfg), "dim": width, "seed": seed, "lr": cfg.optim.lr,
            "n_layers": cfg.model.n_layers, "train_seq_len": cfg.train.seq_len, "train_pairs": cfg.recall.num_pairs,
-           "steps": cfg.train.max_steps, "train_s": train_s, "load": load,
+           "steps": cfg.train.max_steps, "train_s": sum(a["train_s"] for a in attempts),
+           "load": [attempts[0]["load"][0], attempts[-1]["load"][-1]],
+           **({"attempts": attempts} if len(attempts) > 1 else {}),
            "val_recall_accuracy": [m["val/recall_accuracy"] for m in metrics if "val/recall_accuracy" in m][-1],
            "results": scores["results"], "train_command": shlex.join(train), "eval_command": shlex.join(evaluate)}
     result_file.write_text(json.dumps(row, indent=1))
     args.record.add([row], args.header)
     return row
+
+
+def trained(train: list[str], run_dir: Path) -> list[dict]:
+    """Train one run, or go on with one stopped part-way (a session's end): ``launch/pretrain.py`` resumes from the
+    last checkpoint. Returns every attempt that added steps kept, each with its steps, training seconds and 1-minute
+    load average before and after it (one for a stopped attempt, which ends at the checkpoint the next one resumed
+    from: the work lost past it is not counted). ``attempts.json`` in the run folder keeps them between sweeps."""
+    ledger = run_dir / "attempts.json"
+    attempts = json.loads(ledger.read_text()) if ledger.exists() else []
+    resumed_from = checkpoint.latest_tag(run_dir / "checkpoints")
+    step = checkpoint.tag_step(resumed_from) or 0
+    if resumed_from is not None and not attempts:
+        raise SystemExit(f"{run_dir} holds a checkpoint that no attempt of this tool recorded ({ledger} is missing): "
+                         "its training time is unknown; delete the folder to train it again")
+    if attempts and "train_s" not in attempts[-1]:  # the last attempt was stopped
+        if step > attempts[-1]["from_step"]:
+            saved = (run_dir / "checkpoints" / "latest").stat().st_mtime  # moved once the checkpoint was whole
+            attempts[-1].update(to_step=step, train_s=saved - attempts[-1]["start"])
+        else:
+            attempts.pop()  # stopped before its first checkpoint: nothing of it is kept
+    attempt = {"from_step": step, "start": time.time(), "load": [round(os.getloadavg()[0], 2)]}
+    ledger.write_text(json.dumps([*attempts, attempt], indent=1))
+    attempt["train_s"] = benchlib.run_logged(train, run_dir / "train.log")
+    attempt["to_step"] = checkpoint.tag_step(checkpoint.latest_tag(run_dir / "checkpoints"))
+    attempt["load"].append(round(os.getloadavg()[0], 2))
+    ledger.write_text(json.dumps([*attempts, attempt], indent=1))
+    return [*attempts, attempt]
 
 
 def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Namespace) -> dict:

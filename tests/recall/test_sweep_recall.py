@@ -4,8 +4,10 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from statistics import mean
 
@@ -242,3 +244,49 @@ def test_the_gate_table_reads_each_decaying_run_at_its_largest_trained_setting(l
     assert tool.gate_table([plain, gated]).splitlines()[2:] == [
         "| mamba2 | 64 | 0.01 | 1 |  | 256:4 | 0.871 | −1·10⁻⁶, −0.0084 |"]
     assert [tool.short_number(v) for v in (-1.0, -10.0, -123.0, -0.036)] == ["−1", "−10", "−1.2·10²", "−0.036"]
+
+
+def test_a_run_stopped_part_way_goes_on_from_its_checkpoint_and_counts_both_attempts(tmp_path):
+    """A session's end: SIGTERM to the sweep's process group stops the run after a save (launch/pretrain.py exits
+    PREEMPTED); the next sweep resumes it, and its row counts the first attempt up to that checkpoint and the second
+    to the end. A checkpoint the tool did not record (its attempts file gone) is refused: its time is unknown."""
+    out = tmp_path / "sweep"
+    command = [sys.executable, "tools/sweep_recall.py", "--configs", "configs/recall/linear.yaml", "--widths", "16",
+               "--out", str(out), "--pairs", "2", "--seq-lens", "32", "--rows", "8", "--json", str(out / "rows.json"),
+               *BUDGET, "train.max_steps=100", "checkpoint.every=100", "log.val_every=100"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run_dir = out / "linear_d16_s0"
+    first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    while first.poll() is None and not (metrics.exists() and '"step"' in metrics.read_text()):  # a step logged
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGTERM)
+    assert first.wait(timeout=120) != 0
+    time.sleep(1)  # the run's own SIGTERM handler saves, then it exits (the sweep died at once)
+    for _ in range(600):
+        if not subprocess.run(["pgrep", "-f", f"run.dir={run_dir}"], capture_output=True).stdout:
+            break
+        time.sleep(0.1)
+    (stopped,) = json.loads((run_dir / "attempts.json").read_text())
+    assert stopped["from_step"] == 0 and "train_s" not in stopped
+    saved_at = (run_dir / "checkpoints" / "latest").stat().st_mtime
+    step = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+    assert 0 < step < 100 and not (run_dir / "eval.json").exists()
+
+    (run_dir / "attempts.json").rename(tmp_path / "attempts.json")
+    unknown = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert unknown.returncode == 1 and "no attempt of this tool recorded" in unknown.stderr, unknown.stderr[-2000:]
+    (tmp_path / "attempts.json").rename(run_dir / "attempts.json")
+
+    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-4000:]
+    (row,) = json.loads((out / "rows.json").read_text())["rows"]
+    first_attempt, second_attempt = row["attempts"]
+    assert (first_attempt["from_step"], first_attempt["to_step"]) == (0, step)
+    assert (second_attempt["from_step"], second_attempt["to_step"]) == (step, 100)
+    assert first_attempt["train_s"] == pytest.approx(saved_at - stopped["start"])
+    assert row["train_s"] == pytest.approx(first_attempt["train_s"] + second_attempt["train_s"])
+    assert row["load"] == [first_attempt["load"][0], second_attempt["load"][1]]
+    log = (run_dir / "train.log").read_text()
+    assert log.count("launch/pretrain.py") >= 2 and f"resumed from {run_dir / 'checkpoints'}" in log  # both kept
