@@ -246,8 +246,10 @@ def sweep_mixer(config_path: str, width: int, args: argparse.Namespace) -> list[
 def left_behind(config_path: str, width: int, seeds: list[int], rate: float, args: argparse.Namespace
                 ) -> list[dict]:
     """Recorded runs of these seeds at a rate the search no longer keeps (a better one finished since they
-    trained), marked not kept: they stay in the record, out of the table."""
-    return [{**row, "kept": False} for row in args.recorded.values()
+    trained), marked not kept: they stay in the record, out of the table (read as any finished run is, so
+    ``--rescore`` scores them again too)."""
+    return [{**sweep_one(config_path, width, row["seed"], args, row["lr"]), "kept": False}
+            for row in list(args.recorded.values())
             if Path(row["config"]).stem == Path(config_path).stem and row["dim"] == width and row["seed"] in seeds
             and row["lr"] != rate]
 
