@@ -15,17 +15,17 @@ With ``--search-width W`` the search runs at width W alone and every other width
 Runs go one at a time, each as one process (``launch/pretrain.py`` under plain python), and are scored by
 ``tools/eval_recall.py`` at every ``--pairs`` × ``--seq-lens`` (or at each ``--settings``). A run whose ``eval.json``
 exists is not redone, so an interrupted sweep continues where it stopped (one trained or scored by other commands is
-refused: its figures would pass for this sweep's). The ``--json`` file is the sweep's record: every run is added to
-it as soon as it is scored, and a run found there is not redone either, so the sweep goes on in a fresh checkout
-whose run directories are gone (they are not committed; the record is). ``--finished-only`` trains nothing: it
-gathers the runs already scored, so a sweep run in parts (several processes on disjoint configs, over several
-sessions) gets one table, JSON and plot; a learning rate is then kept among the rates finished. ``--rescore`` trains
-nothing either: it scores every finished run again on its checkpoint, so what ``eval_recall`` learned to report
-after a run was scored joins its row (its accuracies must come back as recorded). Prints a markdown table of
-accuracy (mean over seeds, and their range) per mixer and width at each setting, for the configs given (the record
-keeps the others' rows too), the rate search, and each decaying run's gate readings; ``--plot`` draws accuracy
-against the decoding state's bytes at the trained length, one panel per number of pairs (the plot of Zoology, arXiv
-2312.04927).
+refused: its figures would pass for this sweep's), and a run stopped part-way (SIGTERM, which makes it save) goes on
+from its checkpoint, its training seconds summed over its attempts. The ``--json`` file is the sweep's record: every run
+is added to it as soon as it is scored, and a run found there is not redone either, so the sweep goes on in a fresh
+checkout whose run directories are gone (they are not committed; the record is). ``--finished-only`` trains nothing: it
+gathers the runs already scored, so a sweep run in parts (several processes on disjoint configs, over several sessions)
+gets one table, JSON and plot; a learning rate is then kept among the rates finished. ``--rescore`` trains nothing
+either: it scores every finished run again on its checkpoint, so what ``eval_recall`` learned to report after a run was
+scored joins its row (its accuracies must come back as recorded). Prints a markdown table of accuracy (mean over seeds,
+and their range) per mixer and width at each setting, for the configs given (the record keeps the others' rows too), the
+rate search, and each decaying run's gate readings; ``--plot`` draws accuracy against the decoding state's bytes at the
+trained length, one panel per number of pairs (the plot of Zoology, arXiv 2312.04927).
 """
 import argparse
 import fcntl
@@ -125,7 +125,7 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
     if args.finished_only or args.rescore:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
-    attempts = trained(train, run_dir)
+    attempts = train_run(train, run_dir)
     benchlib.run_logged(evaluate, run_dir / "eval.log")
     scores = json.loads((run_dir / "scores.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -142,7 +142,7 @@ def sweep_one(config_path: str, width: int, seed: int, args: argparse.Namespace,
     return row
 
 
-def trained(train: list[str], run_dir: Path) -> list[dict]:
+def train_run(train: list[str], run_dir: Path) -> list[dict]:
     """Train one run, or go on with one stopped part-way (a session's end): ``launch/pretrain.py`` resumes from the
     last checkpoint. Returns every attempt that added steps kept, each with its steps, training seconds and 1-minute
     load average before and after it (one for a stopped attempt, which ends at the checkpoint the next one resumed
@@ -165,8 +165,10 @@ def trained(train: list[str], run_dir: Path) -> list[dict]:
     attempt["train_s"] = benchlib.run_logged(train, run_dir / "train.log")
     attempt["to_step"] = checkpoint.tag_step(checkpoint.latest_tag(run_dir / "checkpoints"))
     attempt["load"].append(round(os.getloadavg()[0], 2))
-    ledger.write_text(json.dumps([*attempts, attempt], indent=1))
-    return [*attempts, attempt]
+    if attempt["to_step"] > step:  # not a finished run's no-op (its scoring was what had been stopped)
+        attempts.append(attempt)
+    ledger.write_text(json.dumps(attempts, indent=1))
+    return attempts
 
 
 def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Namespace) -> dict:
