@@ -187,9 +187,6 @@ def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Names
     command[command.index("--json") + 1] = str(scores)
     benchlib.run_logged(command, run_dir / "rescore.log")
     results = json.loads(scores.read_text())["results"]
-    def accuracies(scored):
-        return [(r["seq_len"], r["num_pairs"], r.get("accuracy")) for r in scored]
-
     before, after = accuracies(row["results"]), accuracies(results)
     if after != before:
         raise SystemExit(f"{run_dir} scores {after} now ({scores}), {before} in its row: its checkpoint or "
@@ -200,6 +197,10 @@ def rescored(row: dict, run_dir: Path, evaluate: list[str], args: argparse.Names
     args.record.add([row], args.header, field="results")
     args.rescored[str(run_dir)] = row
     return row
+
+
+def accuracies(results: list[dict]) -> list[tuple]:
+    return [(r["seq_len"], r["num_pairs"], r.get("accuracy")) for r in results]
 
 
 def trained_accuracy(row: dict) -> float:
