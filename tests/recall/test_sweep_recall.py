@@ -13,6 +13,8 @@ from statistics import mean
 
 import pytest
 
+from pretrain.train import checkpoint
+
 pytestmark = pytest.mark.dist  # starts launch/pretrain.py and eval_recall processes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -263,15 +265,14 @@ def test_a_run_stopped_part_way_goes_on_from_its_checkpoint_and_counts_both_atte
         time.sleep(0.05)
     os.killpg(first.pid, signal.SIGTERM)
     assert first.wait(timeout=120) != 0
-    time.sleep(1)  # the run's own SIGTERM handler saves, then it exits (the sweep died at once)
-    for _ in range(600):
+    for _ in range(600):  # the run's own SIGTERM handler saves, then it exits (the sweep died at once)
         if not subprocess.run(["pgrep", "-f", f"run.dir={run_dir}"], capture_output=True).stdout:
             break
         time.sleep(0.1)
     (stopped,) = json.loads((run_dir / "attempts.json").read_text())
     assert stopped["from_step"] == 0 and "train_s" not in stopped
     saved_at = (run_dir / "checkpoints" / "latest").stat().st_mtime
-    step = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+    step = checkpoint.tag_step(checkpoint.latest_tag(run_dir / "checkpoints"))
     assert 0 < step < 100 and not (run_dir / "eval.json").exists()
 
     (run_dir / "attempts.json").rename(tmp_path / "attempts.json")
