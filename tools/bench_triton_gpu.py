@@ -18,6 +18,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pretrain.cli_help import HelpFormatter
+from pretrain.ops.decayed_linear_attention import decayed_linear_attention
+from pretrain.ops.delta_rule import delta_rule
 from pretrain.ops.linear_attention import linear_attention
 from pretrain.ops.linear_attention import triton as kernels
 
@@ -162,12 +164,38 @@ def make_ops(B, T, H, D, chunk=64):
             return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
         return setup
 
+    def gated(op, impl):
+        """Decayed linear attention (per-token log-decay) or the gated delta rule, ours (`chunk`, PyTorch) or fla's
+        kernels through our adapter (`fla`): the mixers of the decay and delta-rule issues."""
+        def setup():
+            q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+            if op == "delta":
+                k = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
+            q, k = q.requires_grad_(), k.requires_grad_()
+            v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
+            g = (-torch.rand(B, T, H, device=DEV) * 0.1).requires_grad_()
+            beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16).requires_grad_()
+            do = torch.randn_like(v)
+            if op == "decay":
+                f = lambda: decayed_linear_attention(q, k, v, g, impl=impl, chunk_size=chunk)
+            else:
+                f = lambda: delta_rule(q, k, v, beta, g, impl=impl, chunk_size=chunk)
+            leaves = (q, k, v, g) if op == "decay" else (q, k, v, g, beta)
+            return f, lambda: torch.autograd.grad(f(), leaves, do)
+        return setup
+
     ops = {"sdpa_flash": sdpa(), "linear_triton": linear("triton", "none"),
            "linear_triton_div": linear("triton", "divisive"), "linear_chunk": linear("chunk", "none")}
     if chunk_linear_attn is not None:
         ops["fla_chunk"] = fla(False)
         ops["fla_chunk_div"] = fla(True)
+        ops["decay_fla"], ops["gated_delta_fla"] = gated("decay", "fla"), gated("delta", "fla")
+    ops["decay_chunk"], ops["gated_delta_chunk"] = gated("decay", "chunk"), gated("delta", "chunk")
     return ops
+
+
+# The PyTorch chunked forms are the slow reference points: past these lengths they cost minutes.
+PYTORCH_FORM_LONGEST_T = {"linear_chunk": 16384, "decay_chunk": 4096, "gated_delta_chunk": 4096}
 
 
 def measure(setup, fwd_only):
@@ -190,6 +218,8 @@ def measure(setup, fwd_only):
         return dict(ms=ms, ms_repeat=ms2, peak_extra_GB=peak / 1e9, inputs_GB=inputs / 1e9)
     except torch.cuda.OutOfMemoryError:
         return dict(ms=None, error="out of memory")
+    except Exception as e:  # one op failing (a compiler refusal, a signature fla changed) must not end the run
+        return dict(ms=None, error=repr(e)[:300])
     finally:
         torch.cuda.empty_cache()
 
@@ -202,8 +232,8 @@ def bench(results, lengths, only=None, B=8, H=32, D=128):
             if only and name not in only:
                 continue
             for fwd_only in (True, False):
-                if name == "linear_chunk" and T > 16384:
-                    continue  # the PyTorch form is the slow reference point; long T costs minutes
+                if T > PYTORCH_FORM_LONGEST_T.get(name, T):
+                    continue
                 t0 = time.time()
                 m = measure(setup, fwd_only)
                 m.update(op=name, T=T, B=B, H=H, D=D, pass_="fwd" if fwd_only else "fwd+bwd")
