@@ -8,6 +8,7 @@ Prints a short table last; writes every number to --out (JSON). Needs only torch
 import argparse
 import json
 import platform
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def rel(a, b):
 # ----------------------------------------------------------------------------------------------- correctness
 def check(results):
     """Ours on CUDA against the fp64 naive reference: every normalization, causal/global, packed, state."""
-    rows = []
+    rows = results.setdefault("check", [])  # filled as it goes: a time limit keeps what was checked
     torch.manual_seed(0)
     cases = []
     for normalize in ("none", "divisive", "subtractive"):
@@ -88,7 +89,6 @@ def check(results):
         log(f"check {normalize:11s} causal={causal!s:5s} packed={packed!s:5s} {str(dtype):15s} "
             f"finite={finite} max_err={max(errs):.1e} " + " ".join(f"{e:.1e}" for e in errs))
     if DEV == "cpu":
-        results["check"] = rows
         return
     # big realistic shape against fp64 naive (D = 128, two value blocks)
     q, k = (torch.rand(2, 2048, 4, 128, device=DEV).bfloat16().requires_grad_() for _ in range(2))
@@ -105,7 +105,6 @@ def check(results):
         if chunk_linear_attn is not None:
             o_fla, _ = chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize == "divisive")
             log(f"check big {normalize}: fla-core vs naive {rel(o_fla, ref):.1e}")
-    results["check"] = rows
 
 
 # ------------------------------------------------------------------------------------------------ ceilings
@@ -225,7 +224,7 @@ def measure(setup, fwd_only):
 
 
 def bench(results, lengths, only=None, B=8, H=32, D=128):
-    rows = []
+    rows = results.setdefault("bench", [])
     for T in lengths:
         ops = make_ops(B, T, H, D)
         for name, setup in ops.items():
@@ -244,7 +243,6 @@ def bench(results, lengths, only=None, B=8, H=32, D=128):
                 log(f"bench T={T:6d} {name:18s} {m['pass_']:8s} "
                     + (f"{m['ms']:9.3f} ms (again {m['ms_repeat']:.3f}) peak+{m['peak_extra_GB']:.2f} GB"
                        if m.get("ms") else m.get("error", "")) + f"  [{time.time() - t0:.0f}s]")
-    results.setdefault("bench", []).extend(rows)
 
 
 def sweep(results, T=8192, B=8, H=32, D=128):
@@ -253,6 +251,7 @@ def sweep(results, T=8192, B=8, H=32, D=128):
                dict(block=32, num_warps=8, num_stages=2), dict(block=32, num_warps=4, num_stages=2),
                dict(block=64, num_warps=4, num_stages=2), dict(block=128, num_warps=8, num_stages=2)]
     rows = []
+    results["sweep"] = dict(T=T, rows=rows)
     default = dict(kernels.CONFIG)
     for cfg in configs:
         for chunk in (64, 128):
@@ -267,7 +266,6 @@ def sweep(results, T=8192, B=8, H=32, D=128):
             log(f"sweep {cfg} chunk={chunk}: " + (f"fwd {r['fwd']['ms']:.3f} ms, fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"
                                                  if "error" not in r else r["error"]))
     kernels.CONFIG.update(default)
-    results["sweep"] = dict(T=T, rows=rows)
 
 
 def main():
@@ -280,6 +278,9 @@ def main():
     p.add_argument("--out", default="gpu_results.json")
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
+    # A device call's time limit ends this process with SIGTERM: exit through the `finally` below, which writes
+    # what was measured so far (the first GPU session lost its check and benchmark JSON to a timeout).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     global DEV
     DEV = a.device
     results = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
