@@ -8,19 +8,21 @@ import os
 import sys
 from pathlib import Path
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from pretrain.distributed import close_process_group, init_process_group
 from pretrain.parallel import SequenceShard
 
 from sequence_cases import CASES, run_case, run_model
 
 
 def main(out_dir: str, names: list[str]) -> None:
-    deepspeed.init_distributed(dist_backend="gloo")  # Ulysses talks through deepspeed.comm
+    # the trainer's own join (Ulysses talks through deepspeed.comm): it finds DeepSpeed's CPU comm op where `make
+    # setup` built it; deepspeed.init_distributed alone looked in torch's default place and built it again (100 s)
+    init_process_group()
     rank, size = dist.get_rank(), dist.get_world_size()
     shard = SequenceShard(group=dist.group.WORLD, rank=rank, size=size)
     results = {name: run_case(CASES[name], shard) for name in names}
@@ -28,7 +30,7 @@ def main(out_dir: str, names: list[str]) -> None:
     results["model_sliced"] = run_model(shard, mini_sequence=5, checkpointing=True)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()
 
 
 if __name__ == "__main__":
