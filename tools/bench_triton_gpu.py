@@ -235,7 +235,8 @@ def bench(results, lengths, only=None, B=8, H=32, D=128):
                     continue
                 t0 = time.time()
                 m = measure(setup, fwd_only)
-                m.update(op=name, T=T, B=B, H=H, D=D, pass_="fwd" if fwd_only else "fwd+bwd")
+                m.update(op=name, T=T, B=B, H=H, D=D, pass_="fwd" if fwd_only else "fwd+bwd",
+                         wall_s=time.time() - t0)  # compiling and autotuning included: what a device call pays
                 if m.get("ms") and name.startswith("linear_triton"):
                     flops = flops_per_token_head(D, D, 64, fwd_only) * B * T * H
                     m["TFLOPs"] = flops / m["ms"] / 1e9
