@@ -258,14 +258,11 @@ def sweep(results, T=8192, B=8, H=32, D=128):
         for chunk in (64, 128):
             kernels.CONFIG.update(cfg)
             setup = make_ops(B, T, H, D, chunk)["linear_triton"]
-            try:
-                r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
-            except Exception as e:  # a config the compiler refuses (e.g. out of shared memory)
-                r = {"error": repr(e)[:200]}
-            rows.append(dict(cfg, chunk=chunk, **{p: r[p]["ms"] if p in r else None for p in ("fwd", "fwd+bwd")},
-                             error=r.get("error")))
-            log(f"sweep {cfg} chunk={chunk}: " + (f"fwd {r['fwd']['ms']:.3f} ms, fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"
-                                                 if "error" not in r else r["error"]))
+            r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}  # a config the compiler refuses: error
+            error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
+            rows.append({**cfg, "chunk": chunk, "fwd": r["fwd"]["ms"], "fwd+bwd": r["fwd+bwd"]["ms"], "error": error})
+            log(f"sweep {cfg} chunk={chunk}: " + (error or f"fwd {r['fwd']['ms']:.3f} ms, "
+                                                           f"fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"))
     kernels.CONFIG.update(default)
 
 
