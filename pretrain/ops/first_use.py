@@ -1,12 +1,12 @@
 """First-use checks: ``impl="auto"`` trusts a kernel on a device only after it has matched a reference there.
 
 Our Triton kernels have passed their tests on one GPU so far (an H200, benchmarks/gpu_h200.md); flash-attn has run
-on none, and fla's decayed kernel failed its fp32 test there. So the first time ``auto`` would choose such a kernel
-for a request (the kernel, the device, the dtype and the request's shape class), a small input goes through the
-kernel and through a reference form on the same device, forward and input gradients, and the two are compared. A
-mismatch or an error warns once, naming both forms and the measured error, and ``auto`` keeps to the reference
-form for that request class for the rest of the process. A kernel asked for by name (``impl="triton"``) is never
-checked: the caller chose it.
+on none, and fla refused its gated backward there (its own guard against that image's Triton 3.6). So the first
+time ``auto`` would choose such a kernel for a request (the kernel, the device, the dtype and the request's shape
+class), a small input goes through the kernel and through a reference form on the same device, forward and input
+gradients, and the two are compared. A mismatch or an error warns once, naming both forms and the measured error,
+and ``auto`` keeps to the reference form for that request class for the rest of the process. A kernel asked for by
+name (``impl="triton"``) is never checked: the caller chose it.
 
 The check draws its inputs from its own generator, so it consumes nothing of the training run's random streams.
 """

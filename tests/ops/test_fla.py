@@ -330,7 +330,12 @@ def test_real_fla_on_cuda_matches_chunk(op, dtype):
     if op == "deltanet":
         tensors[4] = None  # no gate
     want = outputs_and_grads(run("chunk", cu), tensors)
-    got = outputs_and_grads(run("fla", cu), tensors)
+    try:
+        got = outputs_and_grads(run("fla", cu), tensors)
+    except RuntimeError as err:  # fla's own guard, e.g. its gated backward on Hopper with Triton in [3.4, 3.7.1)
+        if "upgrade Triton" not in str(err):
+            raise
+        pytest.skip(f"fla refuses this op on this device's Triton (auto's first-use check falls back): {err}")
     grads = [f"grad of {name}" for name, x in zip(names, tensors, strict=True) if x is not None]
     compared = ["output", "final state", *grads]
     errors = {name: ((a.double() - b.double()).norm() / b.double().norm()).item()
