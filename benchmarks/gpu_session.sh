@@ -37,7 +37,8 @@ stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --
 # Item 2: fla's kernels through our adapters. The first session's fp32 failure of the decayed case is fla's own
 # guard (notes_triton.md, "Item 2 on CPU"): fla 0.6.0 refuses its gated backward (chunk_bwd_dqkwg with g: the
 # decayed op and the gated delta rule) on Hopper with Triton in [3.4, 3.7.1), and this image has 3.6. Say so first
-# (seconds); the ungated delta rule, the fla case that can run here, follows the benchmark (autotunes ~1 min).
+# (seconds); the ungated delta rule in bf16, the fla case that can run here (its fp32 form is the gated kernel with
+# g = 0, refused too), follows the benchmark (autotunes ~1 min).
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short"
 FLA_TEST=tests/ops/test_fla.py::test_real_fla_on_cuda_matches_chunk
 stage fla_guard 30 python3 -c "import triton; from fla.ops.common import chunk_o as c
