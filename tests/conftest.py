@@ -20,6 +20,24 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+STEERING = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCH_EXTENSIONS_DIR",
+            "OMP_NUM_THREADS", "TRITON_INTERPRET"}  # what the processes a test starts take from it
+
+
+@pytest.fixture(autouse=True)
+def environment_left_as_found(request):
+    """A test that changes ``os.environ`` here changes it for every later test and every process they start: one
+    left ``TORCH_EXTENSIONS_DIR`` at its empty temporary folder, and the next test's rank rebuilt DeepSpeed's comm
+    op there (a minute). Change it through ``monkeypatch``, which puts it back. Checked: every variable the test
+    found, and those that steer ranks; not new ones of libraries (DeepSpeed and inductor add their own on first
+    use, in whichever test that is)."""
+    before = dict(os.environ)
+    yield
+    watched = (before.keys() | STEERING) - {"PYTEST_CURRENT_TEST"}  # pytest's own, set for each phase
+    changed = sorted(key for key in watched if before.get(key) != os.environ.get(key))
+    assert not changed, f"{request.node.nodeid} left os.environ changed: {', '.join(changed)}"
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

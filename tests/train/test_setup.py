@@ -70,6 +70,7 @@ def test_prepare_run_dir_refuses_to_change_a_run_with_checkpoints(tmp_path):
 
 def test_torch_extensions_are_built_per_virtual_environment_unless_the_user_says_where(tmp_path, monkeypatch):
     """Environments sharing ~/.cache/torch_extensions rebuilt DeepSpeed's comm op for each other."""
+    import os
     import sys
 
     from pretrain.distributed.process_group import use_extensions_dir
@@ -77,7 +78,9 @@ def test_torch_extensions_are_built_per_virtual_environment_unless_the_user_says
     monkeypatch.setattr(sys, "prefix", str(tmp_path / "venv"))
     monkeypatch.setattr(sys, "base_prefix", "/usr")
     (tmp_path / "venv").mkdir()
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    # a copy, as use_extensions_dir sets the variable itself: left set in os.environ, it sent every later test's
+    # ranks to this empty folder, where the first built DeepSpeed's comm op again (a minute)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"})
     assert use_extensions_dir() == str(tmp_path / "venv" / "torch_extensions")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
     assert use_extensions_dir() == str(tmp_path / "mine")
