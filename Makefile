@@ -1,6 +1,7 @@
 # Set-up is part of every target: a fresh clone runs `make demo` or `make test` and nothing else.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+TEST_WORKERS ?= 2  # pytest-xdist processes; each test file runs whole in one (its module fixtures are built once)
 STAMP := $(VENV)/.installed-stamp
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(PY) tools/demo.py
