@@ -1,5 +1,6 @@
 """Shared fixtures. `shared_data`: the real data sets in ../shared/data, skipping the test where they are absent;
-`load_tool`: a script of tools/ as a module.
+`load_tool`: a script of tools/ as a module; `environment_left_as_found`, on every test: no test leaves ``os.environ``
+changed for the tests after it.
 
 Without a GPU, Triton kernels run under its CPU interpreter. ``TRITON_INTERPRET`` is read when Triton is first
 imported, and torch imports it on the way (``torch.utils.flop_counter`` does): so it is set here, before any test
