@@ -1,0 +1,69 @@
+"""Diagonal-plus-low-rank transitions (Kimi Delta Attention, RWKV-7; flash-linear-attention's generalized delta
+rule): ``S_t = (Diag(e^{g_t}) + a_t b_tᵀ) S_{t−1} + k_t v_tᵀ``, ``o_t = S_tᵀ q_t``.
+
+The math: docs/MIXERS.md#dplr. One public entry, ``dplr_delta_rule``, checks its inputs once and hands them to an
+implementation: ``naive`` (the transition as a matrix, token by token: the oracle), ``chunk`` (the UT chunked form,
+per-channel log-decays masked before ``exp``) and ``recurrent`` (rank-1 updates, for decoding), each
+``dplr_<impl>(q, k, v, a, b, g, *, cu_seqlens, initial_state, output_final_state, chunk_size)`` with ``g`` filled
+in. The gated delta rule is the case ``g`` equal over channels, ``a = −β k``, ``b = e^g k``, keys ``β k``.
+"""
+import torch
+
+from ..delta_rule.state import check_state
+from ..documents import check_offsets, check_packing
+from .chunk import dplr_chunk
+from .naive import dplr_naive
+from .recurrent import dplr_recurrent
+
+IMPLS = ("auto", "naive", "chunk", "recurrent")
+
+
+def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    g: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+                    initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                    chunk_size: int = 64, impl: str = "auto"):
+    """The diagonal-plus-low-rank rule over ``q, k, a, b [B, T, H, Dk]``, ``v [B, T, H, Dv]``.
+
+    Each token decays the state per key channel by ``e^{g_t}``, reads it along ``b_t`` (before the decay), writes
+    what it read along ``a_t``, and adds ``k_t v_tᵀ``: ``S_t = Diag(e^{g_t}) S_{t−1} + a_t (b_tᵀ S_{t−1}) + k_t v_tᵀ``.
+    g ``[B, T, H, Dk]``: the log-decay, ≤ 0 (the chunked form relies on it), or None for none. The caller keeps the
+    transition a contraction (the mixers L2-normalize the keys a and b are made of).
+    cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
+    initial_state ``[N, H, Dk, Dv]`` (N = batch, or documents): the state before the first token (None: zeros).
+    Returns ``o`` in the input dtype, or ``(o, final_state)`` in fp32 (fp64 for fp64 inputs).
+    impl: ``auto`` (= ``chunk``), ``naive``, ``chunk`` or ``recurrent``.
+    """
+    _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl)
+    num = q.shape[0]
+    if cu_seqlens is not None:
+        num = check_offsets(cu_seqlens, q.shape[1])
+    if initial_state is not None:
+        check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3])
+    if g is None:
+        g = q.new_zeros(q.shape)
+    run = {"auto": dplr_chunk, "naive": dplr_naive, "chunk": dplr_chunk, "recurrent": dplr_recurrent}[impl]
+    return run(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+               output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
+    if q.dim() != 4 or v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"dplr_delta_rule wants q [B, T, H, Dk] and v [B, T, H, Dv]; got q {tuple(q.shape)}, "
+                         f"v {tuple(v.shape)}")
+    for name, x in (("k", k), ("a", a), ("b", b), ("g", g)):
+        if x is not None and x.shape != q.shape:
+            raise ValueError(f"dplr_delta_rule wants {name} [B, T, H, Dk] = {tuple(q.shape)}; got {tuple(x.shape)}")
+    if q.shape[1] == 0:
+        raise ValueError("dplr_delta_rule got an empty sequence (T = 0)")
+    floats = [x for x in (q, k, v, a, b, g) if x is not None]
+    if not all(x.is_floating_point() for x in floats) or len({x.dtype for x in (q, k, v, a, b)}) != 1:
+        raise ValueError(f"q, k, v, a, b must share one floating dtype and g be floating; got "
+                         f"{[x.dtype for x in floats]}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+    check_packing(q.shape[0], cu_seqlens)
+
+
+__all__ = ["dplr_delta_rule", "IMPLS"]
