@@ -24,7 +24,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.cli_help import HelpFormatter
-from pretrain.ops import decayed_linear_attention, delta_rule, linear_attention, softmax_attention
+from pretrain.ops import decayed_linear_attention, delta_rule, dplr_delta_rule, linear_attention, softmax_attention
 from pretrain.ops.precision import DTYPES
 
 import benchlib  # tools/, beside this script
@@ -42,9 +42,15 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0])),
     "gated_delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
                                                    F.logsigmoid(v[..., 1])),
+    "kda_dplr": lambda q, k, v: kda_dplr(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., :1]), F.logsigmoid(v)),
 }
 # The delta rule's β and log-gate are read off two channels of v (differentiable, so backward reaches them; the
-# values do not change the work), its keys L2-normalized as the mixers do.
+# values do not change the work), its keys L2-normalized as the mixers do; KDA's per-channel gate is all of v's.
+
+
+def kda_dplr(q, k, v, beta, g):
+    """Kimi Delta Attention's transition ``(I − β k kᵀ) Diag(e^g)`` on the diagonal-plus-low-rank op."""
+    return dplr_delta_rule(q, beta * k, v, -beta * k, g.exp() * k, g)
 
 
 def fla_chunk_linear_attn(q, k, v):

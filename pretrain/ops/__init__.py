@@ -7,6 +7,7 @@ from .varlen import cu_seqlens_from_position_ids
 # Op exports (one line per op family):
 from .efficient import efficient_attention, efficient_attention_naive
 from .delta_rule import delta_rule, delta_rule_naive
+from .dplr import dplr_delta_rule
 from .aft import (aft_conv2d, aft_conv2d_naive, aft_full, aft_full_naive, aft_local, aft_local_naive, aft_simple,
                   aft_simple_naive)
 from .linear_attention import LinearAttentionState, linear_attention

@@ -184,3 +184,17 @@ def test_a_runs_map_and_its_combine_rule():
     S_both, M_both = combine_transitions(*pieces)
     torch.testing.assert_close(S_both, S_run, **TOL)
     torch.testing.assert_close(M_both, M, **TOL)
+
+
+@pytest.mark.parametrize("spread", [300.0, -1.0], ids=["factored", "pair_by_pair"])
+def test_small_gates_in_sub_chunks_factored_or_pair_by_pair(monkeypatch, spread):
+    """Small gates factor inside a sub-chunk (two sub-chunks a chunk here); with that refused, each pair's own
+    exponent gives the same."""
+    from pretrain.ops.dplr import chunk as dplr_chunk_module
+
+    cu = torch.tensor([0, 1, 2, 5, 13, 16, 29, 45])
+    inputs = make_inputs(1, 45, "kda_gates_near_0", seed=10)
+    want = run_with_grads(dplr_delta_rule, inputs, None, impl="naive", cu_seqlens=cu)
+    monkeypatch.setattr(dplr_chunk_module, "FACTORED_SPREAD", {torch.float64: spread})
+    assert_same(run_with_grads(dplr_delta_rule, inputs, None, impl="chunk", cu_seqlens=cu, chunk_size=32), want,
+                f"spread {spread}")

@@ -13,12 +13,17 @@ each token's read ``u_t = S_{t−1}ᵀ b_t`` is a lower-triangular system in the
     S ← e^{D_C} ⊙ S + (A ⊙ e^{D_C − D})ᵀ U + (K ⊙ e^{D_C − D})ᵀ V     the one sequential step, chunk after chunk
 
 The gated delta rule's chunked form (``delta_rule/chunk.py``) with one more term, and per-channel decay in the
-products: ``P`` is no longer a masked matrix product times a C×C decay. It is computed in sub-chunks of at most
-16 tokens: between sub-chunks it factors as a matrix product through the decay at the earlier sub-chunk's last
-token r, ``e^{E_i − D_j} = e^{E_i − D_r} · e^{D_r − D_j}``, both factors ≤ 1 when the gates are ≤ 0; inside a
-sub-chunk each pair's exponent is formed on its own. Every exponent is masked before ``exp``, so gates near −20
-per channel neither overflow nor turn into NaN; a pair whose decay underflows contributes its true, negligible
-value.
+products: ``P`` is no longer a masked matrix product times a C×C decay. Each ``t`` (b's rows shifted up by one,
+``P^{b·}`` shifted back down) is computed in sub-chunks of at most 16 tokens, all as matrix products:
+
+* between sub-chunks, through the decay at the earlier sub-chunk's last token r,
+  ``e^{D_i − D_j} = e^{D_i − D_r} · e^{D_r − D_j}``: both factors ≤ 1 when the gates are ≤ 0, exact at any gate;
+* inside a sub-chunk, through its first token f, ``e^{D_i − D_f} · e^{D_f − D_j}``, when the log-decay falls by
+  at most ``FACTORED_SPREAD`` (40 in fp32) across every sub-chunk of the block, so no factor overflows;
+  otherwise (gates near −20 per channel) each pair's exponent on its own, ``C·16·Dk`` exponentials per chunk.
+
+Exponents that may be large are clamped to ≤ 0 before ``exp`` and their pairs masked off after, so gates near −20
+neither overflow nor turn into NaN; a pair whose decay underflows contributes its true, negligible value.
 
 Packed documents, initial and final states, and the lean backward (blocks recomputed, ``ops/recompute.py``) are
 the delta rule's, whose layout and helpers this module reuses.
@@ -26,6 +31,7 @@ the delta rule's, whose layout and helpers this module reuses.
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from ..delta_rule.chunk import _exp_where, _Layout, _own_initial_reads, _rows
 from ..documents import stream_offsets
@@ -33,7 +39,10 @@ from ..linear_attention.runs import gather_runs
 from ..precision import upcast
 from ..recompute import in_blocks
 
-SUB_CHUNK = 16  # the most tokens whose pairwise decays are formed one by one (C·SUB_CHUNK·Dk exponentials per chunk)
+SUB_CHUNK = 16  # the most tokens whose pairwise decays may be formed one by one
+# how far the log-decay may fall inside every sub-chunk of a block (per channel, across documents) for its pairs to
+# factor through the sub-chunk's first token: each factor within e^{±spread}, their products far from overflow
+FACTORED_SPREAD = {torch.float32: 40.0, torch.float64: 300.0}
 
 
 def dplr_chunk(q, k, v, a, b, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
@@ -67,8 +76,10 @@ def _block(lo: int, hi: int, q, k, v, a, b, g, entering, initial, *, has_initial
     feeds = layout.feeds_next[lo:hi]  # its document runs into the next chunk
     D = same_doc.to(G.dtype) @ G  # [n, H, C, Dk]
     D_before = before.to(G.dtype) @ G
-    P_ba, P_bk = decayed_products(B, D_before, torch.stack([A, K]), D, before, sub)
-    P_qa, P_qk = decayed_products(Q, D, torch.stack([A, K]), D, same_doc, sub)
+    # b_t reads the state before its own decay: its products are those of b_t in row t − 1, shifted down a row
+    B_next = F.pad(B[..., 1:, :], (0, 0, 0, 1))
+    (P_qa, P_qk), shifted = decayed_products([Q, B_next], D, [A, K], same_doc, sub)
+    P_ba, P_bk = (torch.where(before, F.pad(P[..., :-1, :], (0, 0, 1, 0)), 0.0) for P in shifted)
     rhs = torch.cat([P_bk @ V, B * D_before.exp()], dim=-1)
     U, W = torch.linalg.solve_triangular(-P_ba, rhs, upper=False, unitriangular=True).split(
         [V.shape[-1], K.shape[-1]], dim=-1)
@@ -100,35 +111,40 @@ def _block(lo: int, hi: int, q, k, v, a, b, g, entering, initial, *, has_initial
                                             layout, lo, hi)
 
 
-def decayed_products(X, E, Ys, F, mask, sub: int) -> torch.Tensor:
-    """``P[y, …, i, j] = Σ_c X_ic Ys[y]_jc e^{E_ic − F_jc}`` where ``mask [n, 1, C, C]`` allows (one document, j ≤ i),
-    0 elsewhere, for ``X, E, F [n, H, C, Dk]`` and ``Ys [Y, n, H, C, Dk]``. ``E_i ≤ F_r`` for every r of i's
-    document with j ≤ r < i (log-decays summed from the document's start, gates ≤ 0), so no factor exceeds 1."""
-    size = X.shape[-2]
-    count = size // sub
-
-    def blocks(x):  # [..., C, *] → [..., count, sub, *]
-        return x.unflatten(-2, (count, sub))
-
-    E_b, F_b, X_b, Ys_b = blocks(E), blocks(F), blocks(X), blocks(Ys)
-    # inside a sub-chunk: every pair's exponent on its own
-    inner_mask = mask.unflatten(-1, (count, sub)).unflatten(2, (count, sub)).diagonal(dim1=2, dim2=4).movedim(-1, 2)
-    decay = _exp_where(inner_mask[..., None], E_b[..., :, None, :] - F_b[..., None, :, :])  # [n, H, m, s, s, Dk]
-    inner = torch.einsum("nhmijc,ynhmjc->ynhmij", X_b[..., :, None, :] * decay, Ys_b)
-    out = inner.new_zeros(*inner.shape[:3], count, sub, count, sub)
-    out.diagonal(dim1=-4, dim2=-2).copy_(inner.movedim(-3, -1))
-    if count > 1:  # between sub-chunks: through the decay at the earlier one's last token r
-        ref = F_b[..., -1, :]  # [n, H, m, Dk]
-        ends = mask[..., sub - 1::sub]  # [n, 1, C, m]: may i see r (one document, r ≤ i)
-        position = torch.arange(size, device=X.device) // sub
-        later = position[None, :] > torch.arange(count, device=X.device)[:, None]  # [m, C]: i after sub-chunk J
-        left = X[:, :, None] * _exp_where((ends.mT & later)[..., None], E[:, :, None] - ref[..., None, :])
-        itself = torch.eye(size, dtype=torch.bool, device=X.device)[sub - 1::sub]  # r sees r, strict mask or not
-        seen = (mask[..., sub - 1::sub, :] | itself).unflatten(-1, (count, sub)).diagonal(dim1=2, dim2=3)
-        right = Ys_b * _exp_where(seen.movedim(-1, 2)[..., None], ref[..., None, :] - F_b)  # r sees j: [n, 1, m, s]
-        across = left @ right.mT  # [Y, n, H, m, C, s]: row i, column j of sub-chunk J
-        out = out + across.movedim(-3, -2).unflatten(-3, (count, sub))
-    return out.flatten(-2).flatten(-3, -2)
+def decayed_products(Xs, D, Ys, mask, sub: int) -> list[list[torch.Tensor]]:
+    """``P[x][y][…, i, j] = Σ_c Xs[x]_ic Ys[y]_jc e^{D_ic − D_jc}`` where ``mask [n, 1, C, C]`` allows (one document,
+    j ≤ i), 0 elsewhere, for ``Xs``, ``Ys`` lists of ``[n, H, C, Dk]`` and ``D`` summed from the document's start,
+    gates ≤ 0. All the x's and y's go through one matrix product per sub-chunk. Exponents that may be large are
+    clamped to ≤ 0 before ``exp`` (the pairs allowed have them so already; the others are masked off after)."""
+    n, heads, size, dk = D.shape
+    count, nx, ny = size // sub, len(Xs), len(Ys)
+    X, Y = torch.stack(Xs, 2), torch.stack(Ys, 2)  # [n, H, X, C, Dk]
+    D_b = D.view(n, heads, count, sub, dk)
+    X_b, Y_b = (t.view(n, heads, -1, count, sub, dk).transpose(2, 3) for t in (X, Y))  # [n, H, m, X, s, Dk]
+    spread = D_b - D_b[..., :1, :]  # the log-decays from each sub-chunk's first token
+    if float(spread.detach().abs().amax()) <= FACTORED_SPREAD[D.dtype]:  # through it: two factors, no overflow
+        left = (X_b * spread.exp()[:, :, :, None]).flatten(3, 4)
+        right = (Y_b * (-spread).exp()[:, :, :, None]).flatten(3, 4)
+        inner = (left @ right.mT).view(n, heads, count, nx, sub, ny, sub)  # [n, H, m, X, i, Y, j]
+    else:  # each pair's exponent on its own, laid out [j, i] so that j batches the products
+        decay = (D_b[..., None, :, :] - D_b[..., :, None, :]).clamp(max=0).exp()  # [n, H, m, j, i, Dk]
+        weighted = X_b[:, :, :, None] * decay[:, :, :, :, None]  # [n, H, m, j, X, i, Dk]
+        inner = (weighted.flatten(4, 5) @ Y_b.permute(0, 1, 2, 4, 5, 3)).view(n, heads, count, sub, nx, sub, ny)
+        inner = inner.permute(0, 1, 2, 4, 5, 6, 3)
+    out = inner.new_zeros(n, heads, nx, count, sub, ny, count, sub)
+    out.diagonal(dim1=3, dim2=6).copy_(inner.permute(0, 1, 3, 4, 5, 6, 2))
+    out = out.view(n, heads, nx, size, ny, size)
+    if count > 1:  # between sub-chunks: through the decay at the earlier one's last token r, two factors ≤ 1
+        ref = D_b[..., -1, :][:, :, :, None, None]  # [n, H, m, 1, 1, Dk]
+        left = X[:, :, None] * (D[:, :, None, None] - ref).clamp(max=0).exp()  # [n, H, m, X, C, Dk]
+        right = Y_b * (ref - D_b[:, :, :, None]).clamp(max=0).exp()  # [n, H, m, Y, s, Dk]
+        across = (left.flatten(3, 4) @ right.flatten(3, 4).mT).view(n, heads, count, nx, size, ny, sub)
+        position = torch.arange(size, device=D.device) // sub
+        later = position[None, :] > torch.arange(count, device=D.device)[:, None]  # [m, C]: i after sub-chunk J
+        across = across * later[:, None, :, None, None]
+        out = out + across.permute(0, 1, 3, 4, 5, 2, 6).reshape(out.shape)
+    masked = torch.where(mask[:, :, None, :, None], out, 0.0)
+    return [[masked[:, :, x, :, y] for y in range(ny)] for x in range(nx)]
 
 
 def _final_states(keys, values, D, states, initial, layout: _Layout, lo: int, hi: int) -> torch.Tensor:
