@@ -15,3 +15,5 @@ from . import soft
 from . import retnet
 from . import mamba2
 from . import deltanet
+from . import kda
+from . import rwkv7

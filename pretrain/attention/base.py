@@ -103,8 +103,9 @@ class Mixer(nn.Module):
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor | None:
         """The log of the factor the state is multiplied by at each token of ``x [B, T, C]``, ≤ 0: ``[B, T, H]`` for a
-        data-dependent gate, ``[H]`` for a fixed decay; None for a state that does not decay. What the op is given,
-        so a reading of it (``tools/eval_recall.py``) says how far back the trained gates remember."""
+        data-dependent gate (``[B, T, H, D]`` for one per key channel), ``[H]`` for a fixed decay; None for a state
+        that does not decay. What the op is given, so a reading of it (``tools/eval_recall.py``) says how far back the
+        trained gates remember."""
         return None
 
     def step(self, x_t: torch.Tensor, state=None):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.delta_rule import delta_rule
+from ..ops.delta_rule.state import transition_of_tokens
 from ..ops.precision import upcast
 from .base import Mixer
 from .common import MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR, MAMBA2_DT_MAX, MAMBA2_DT_MIN, mamba2_decay_init
@@ -58,10 +59,10 @@ class DeltaNet(Mixer):
             q, k, v = self.qkv(x, cu_seqlens=cu_seqlens, position_ids=position_ids)
         else:
             q, k, v, initial = self._on_slice(x, beta, g, cu_seqlens, position_ids)
-        if cu_seqlens is not None:  # the ops' packed layout, [1, B·T, H]
-            beta, g = (None if t is None else t.reshape(1, batch * seq_len, -1) for t in (beta, g))
-        o = delta_rule(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial, chunk_size=self.chunk_size,
-                       impl=self.impl)
+        if cu_seqlens is not None:  # the ops' packed layout, [1, B·T, H, *]
+            beta, g = (None if t is None else t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (beta, g))
+        o = self.op(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial, chunk_size=self.chunk_size,
+                    impl=self.impl)
         return self._output(o.reshape(batch, seq_len, self.num_heads, self.head_dim), x)
 
     def _on_slice(self, x, beta, g, cu_seqlens, position_ids):
@@ -69,7 +70,8 @@ class DeltaNet(Mixer):
         convolutions = SliceConvolutions(self, x, position_ids, self.sequence)
         q, k, v = self.features(*self.split(convolutions.early, packed=True))
         initial, packet = delta_rule_entering(k, v, beta, g, position_ids, self.sequence, cu_seqlens.numel() - 1,
-                                              chunk_size=self.chunk_size, convolutions=convolutions)
+                                              chunk_size=self.chunk_size, convolutions=convolutions,
+                                              transition=self.transition_of_tokens)
         if self.short_conv:  # the first K − 1 tokens again, now with the previous rank's halo
             q, k, v = self.features(*self.split(convolutions.final(packet), packed=True))
         return q, k, v, initial
@@ -79,9 +81,19 @@ class DeltaNet(Mixer):
         S, tails = state if state is not None else (None, None)
         (q, k, v), tails = self.qkv_continuing(x, tails)
         impl = "recurrent" if x.shape[1] == 1 else self.impl  # one decoded token: no chunks to set up
-        o, S = delta_rule(q, k, v, *self._write_and_decay(x), initial_state=S, output_final_state=True,
-                          chunk_size=self.chunk_size, impl=impl)
+        o, S = self.op(q, k, v, *self._write_and_decay(x), initial_state=S, output_final_state=True,
+                       chunk_size=self.chunk_size, impl=impl)
         return self._output(o, x), (S, tails)
+
+    @staticmethod
+    def op(q, k, v, beta, g, **options):
+        """The op over the mixer's q, k, v, β and log-decay (``ops.delta_rule``'s arguments)."""
+        return delta_rule(q, k, v, beta, g, **options)
+
+    @staticmethod
+    def transition_of_tokens(k, v, beta, g, mask, *, chunk_size):
+        """The map ``(S_run, M)`` of a run of tokens, what a sequence slice hands on (``ops/delta_rule/state.py``)."""
+        return transition_of_tokens(k, v, beta, g, mask, chunk_size=chunk_size)
 
     def features(self, q, k, v):
         return F.normalize(q, dim=-1) * self.head_dim ** -0.5, F.normalize(k, dim=-1), v

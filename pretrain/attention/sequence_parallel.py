@@ -175,17 +175,19 @@ class SliceConvolutions:
 
 def delta_rule_entering(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
                         position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, chunk_size: int,
-                        convolutions: "SliceConvolutions | None" = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                        convolutions: "SliceConvolutions | None" = None, transition: Callable = transition_of_tokens
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``states_entering_slice`` for the delta rule (``beta``, ``g`` rows ``[B, T, H]`` ride beside k and v): the
     state per packed document ``[N, H, D, Dv]``, and the gathered shared tensors.
 
     What a slice hands on is the pair ``(S, M)``, the map ``S_in ↦ M S_in + S`` of its tail
     (``ops/delta_rule/state.py``), and pairs compose as maps. Only ``S`` enters the op: ``M`` of the empty state (the
-    identity) is never read, so both fills are 0.
+    identity) is never read, so both fills are 0. ``transition(k, v, beta, g, mask, chunk_size=…)`` makes the pair:
+    the delta rule's by default, a mixer's own for other transitions of this kind (``kda``'s, per-channel ``g``).
     """
 
     def state_of(k, v, mask, beta, g):
-        return list(transition_of_tokens(k, v, beta, g, mask, chunk_size=chunk_size))
+        return list(transition(k, v, beta, g, mask, chunk_size=chunk_size))
 
     riders = [beta, torch.zeros_like(beta) if g is None else g]
     (initial, _), shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of,

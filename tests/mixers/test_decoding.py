@@ -38,6 +38,10 @@ CAUSAL_CASES = [
     ("deltanet", {"chunk_size": 4}),
     ("gated_deltanet", {"chunk_size": 4}),
     ("gated_deltanet", {"chunk_size": 4, "short_conv": 0}),
+    ("kda", {"chunk_size": 4}),
+    ("kda", {"chunk_size": 4, "short_conv": 0, "gate_rank": 3}),
+    ("rwkv7", {"chunk_size": 4}),
+    ("rwkv7", {"chunk_size": 4, "short_conv": 4, "decay_rank": 3, "rate_rank": 5, "gate_rank": 7}),
 ]
 
 

@@ -12,7 +12,8 @@ SEQUENCE_MIXERS = {  # name → options small enough for short test sequences
 }
 CAUSAL_ONLY = {  # recurrences without a non-causal form: decayed (retnet, mamba2), the delta rule
     "retnet": {"chunk_size": 4}, "mamba2": {"chunk_size": 4, "state_size": 8},
-    "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4},
+    "deltanet": {"chunk_size": 4}, "gated_deltanet": {"chunk_size": 4}, "kda": {"chunk_size": 4},
+    "rwkv7": {"chunk_size": 4},
 }
 VISION_ONLY = {"soft": {"landmark_stride": 2}, "aft_conv": {"kernel_size": 3}}
 ALL = {**SEQUENCE_MIXERS, **CAUSAL_ONLY, **VISION_ONLY}

@@ -49,6 +49,8 @@ CASES = {
     "deltanet": Case("deltanet", {"chunk_size": 16}),
     "gated_deltanet": Case("gated_deltanet", {"chunk_size": 16}),
     "gated_deltanet_no_conv": Case("gated_deltanet", {"chunk_size": 16, "short_conv": 0}),
+    "kda": Case("kda", {"chunk_size": 16}),
+    "kda_no_conv": Case("kda", {"chunk_size": 16, "short_conv": 0}),
 }
 
 
@@ -57,7 +59,7 @@ CASES = {
 # short convolutions' halo).
 MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "retnet",
                 "mamba2",
-                "gated_deltanet"]
+                "gated_deltanet", "kda"]
 
 
 def run_model(shard: SequenceShard | None, *, mini_sequence: int = 0, checkpointing: bool = False
@@ -77,7 +79,8 @@ def run_model(shard: SequenceShard | None, *, mini_sequence: int = 0, checkpoint
                              "model.mixer_options.aft_simple.chunk_size=16", "model.mixer_options.cosine.short_conv=4",
                              "model.mixer_options.retnet.chunk_size=16", "model.mixer_options.mamba2.chunk_size=16",
                              "model.mixer_options.mamba2.state_size=8", f"model.mini_sequence={mini_sequence}",
-                             "model.mixer_options.gated_deltanet.chunk_size=16"])
+                             "model.mixer_options.gated_deltanet.chunk_size=16",
+                             "model.mixer_options.kda.chunk_size=16"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():
