@@ -56,7 +56,7 @@ def dplr_chunk(q, k, v, a, b, g, *, cu_seqlens, initial_state, output_final_stat
     given = zeros.expand(layout.num_docs, -1, -1, -1) if initial_state is None else initial_state.to(zeros.dtype)
     initial = torch.cat([given, zeros])  # row N: what follows the last document
     sub = max(size for size in range(1, min(SUB_CHUNK, chunk_size) + 1) if chunk_size % size == 0)
-    blocks = layout.blocks(heads, max(sub * dk, dv))  # a sub-chunk's pairs hold sub·Dk numbers per token
+    blocks = layout.blocks(heads, max(dk, dv))
     block = partial(_block, has_initial=initial_state is not None, want_final=output_final_state, layout=layout,
                     sub=sub)
     o, _, finals = in_blocks(block, blocks, chunk_size, tokens, initial[layout.first_doc], initial)
@@ -111,40 +111,40 @@ def _block(lo: int, hi: int, q, k, v, a, b, g, entering, initial, *, has_initial
                                             layout, lo, hi)
 
 
-def decayed_products(Xs, D, Ys, mask, sub: int) -> list[list[torch.Tensor]]:
-    """``P[x][y][…, i, j] = Σ_c Xs[x]_ic Ys[y]_jc e^{D_ic − D_jc}`` where ``mask [n, 1, C, C]`` allows (one document,
+def decayed_products(Xs, D, Ys, mask, sub: int) -> torch.Tensor:
+    """``P[x, y, …, i, j] = Σ_c Xs[x]_ic Ys[y]_jc e^{D_ic − D_jc}`` where ``mask [n, 1, C, C]`` allows (one document,
     j ≤ i), 0 elsewhere, for ``Xs``, ``Ys`` lists of ``[n, H, C, Dk]`` and ``D`` summed from the document's start,
-    gates ≤ 0. All the x's and y's go through one matrix product per sub-chunk. Exponents that may be large are
-    clamped to ≤ 0 before ``exp`` (the pairs allowed have them so already; the others are masked off after)."""
+    gates ≤ 0. Built block by block of sub-chunks (i's, j's), all the x's and y's in one matrix product per block.
+    Exponents that may be large are clamped to ≤ 0 before ``exp`` (the pairs allowed have them so already; the others
+    are masked off after)."""
     n, heads, size, dk = D.shape
     count, nx, ny = size // sub, len(Xs), len(Ys)
-    X, Y = torch.stack(Xs, 2), torch.stack(Ys, 2)  # [n, H, X, C, Dk]
-    D_b = D.view(n, heads, count, sub, dk)
-    X_b, Y_b = (t.view(n, heads, -1, count, sub, dk).transpose(2, 3) for t in (X, Y))  # [n, H, m, X, s, Dk]
+    X_b, Y_b = (torch.stack(t, 2).view(n, heads, -1, count, sub, dk).transpose(2, 3) for t in (Xs, Ys))
+    D_b = D.view(n, heads, count, sub, dk)  # X_b, Y_b: [n, H, m, X or Y, s, Dk]
     spread = D_b - D_b[..., :1, :]  # the log-decays from each sub-chunk's first token
     if float(spread.detach().abs().amax()) <= FACTORED_SPREAD[D.dtype]:  # through it: two factors, no overflow
         left = (X_b * spread.exp()[:, :, :, None]).flatten(3, 4)
         right = (Y_b * (-spread).exp()[:, :, :, None]).flatten(3, 4)
-        inner = (left @ right.mT).view(n, heads, count, nx, sub, ny, sub)  # [n, H, m, X, i, Y, j]
+        inner = left @ right.mT  # [n, H, m, X·s, Y·s]
     else:  # each pair's exponent on its own, laid out [j, i] so that j batches the products
         decay = (D_b[..., None, :, :] - D_b[..., :, None, :]).clamp(max=0).exp()  # [n, H, m, j, i, Dk]
         weighted = X_b[:, :, :, None] * decay[:, :, :, :, None]  # [n, H, m, j, X, i, Dk]
-        inner = (weighted.flatten(4, 5) @ Y_b.permute(0, 1, 2, 4, 5, 3)).view(n, heads, count, sub, nx, sub, ny)
-        inner = inner.permute(0, 1, 2, 4, 5, 6, 3)
-    out = inner.new_zeros(n, heads, nx, count, sub, ny, count, sub)
-    out.diagonal(dim1=3, dim2=6).copy_(inner.permute(0, 1, 3, 4, 5, 6, 2))
-    out = out.view(n, heads, nx, size, ny, size)
-    if count > 1:  # between sub-chunks: through the decay at the earlier one's last token r, two factors ≤ 1
-        ref = D_b[..., -1, :][:, :, :, None, None]  # [n, H, m, 1, 1, Dk]
-        left = X[:, :, None] * (D[:, :, None, None] - ref).clamp(max=0).exp()  # [n, H, m, X, C, Dk]
-        right = Y_b * (ref - D_b[:, :, :, None]).clamp(max=0).exp()  # [n, H, m, Y, s, Dk]
-        across = (left.flatten(3, 4) @ right.flatten(3, 4).mT).view(n, heads, count, nx, size, ny, sub)
-        position = torch.arange(size, device=D.device) // sub
-        later = position[None, :] > torch.arange(count, device=D.device)[:, None]  # [m, C]: i after sub-chunk J
-        across = across * later[:, None, :, None, None]
-        out = out + across.permute(0, 1, 3, 4, 5, 2, 6).reshape(out.shape)
-    masked = torch.where(mask[:, :, None, :, None], out, 0.0)
-    return [[masked[:, :, x, :, y] for y in range(ny)] for x in range(nx)]
+        inner = (weighted.flatten(4, 5) @ Y_b.permute(0, 1, 2, 4, 5, 3)).view(n, heads, count, sub, nx * sub, ny)
+        inner = inner.permute(0, 1, 2, 4, 5, 3).reshape(n, heads, count, nx * sub, ny * sub)
+    diagonal = torch.arange(count, device=D.device)
+    blocks, rows, columns = [inner], [diagonal], [diagonal]
+    if count > 1:  # i's sub-chunk after j's: through the decay at j's sub-chunk's last token r, two factors ≤ 1
+        later, earlier = torch.tril_indices(count, count, -1, device=D.device)
+        ref = D_b[:, :, earlier, -1:]  # [n, H, pairs, 1, Dk]
+        left = X_b[:, :, later] * (D_b[:, :, later] - ref).clamp(max=0).exp()[:, :, :, None]
+        right = Y_b[:, :, earlier] * (ref - D_b[:, :, earlier]).clamp(max=0).exp()[:, :, :, None]
+        blocks.append(left.flatten(3, 4) @ right.flatten(3, 4).mT)
+        rows.append(later)
+        columns.append(earlier)
+    values = torch.cat(blocks, dim=2).movedim(2, 0)  # [blocks, n, H, X·s, Y·s]
+    grid = values.new_zeros(count, count, *values.shape[1:]).index_put((torch.cat(rows), torch.cat(columns)), values)
+    grid = grid.view(count, count, n, heads, nx, sub, ny, sub).permute(4, 6, 2, 3, 0, 5, 1, 7)
+    return torch.where(mask, grid.reshape(nx, ny, n, heads, size, size), 0.0)
 
 
 def _final_states(keys, values, D, states, initial, layout: _Layout, lo: int, hi: int) -> torch.Tensor:
