@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.cli_help import HelpFormatter
 from pretrain.ops import decayed_linear_attention, delta_rule, dplr_delta_rule, linear_attention, softmax_attention
+from pretrain.ops.dplr import kda_delta_rule
 from pretrain.ops.precision import DTYPES
 
 import benchlib  # tools/, beside this script
@@ -43,9 +44,11 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
     "gated_delta_rule": lambda q, k, v: delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
                                                    F.logsigmoid(v[..., 1])),
     "kda_dplr": lambda q, k, v: kda_dplr(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., :1]), F.logsigmoid(v)),
+    "kda": lambda q, k, v: kda_delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]), F.logsigmoid(v)),
 }
 # The delta rule's β and log-gate are read off two channels of v (differentiable, so backward reaches them; the
-# values do not change the work), its keys L2-normalized as the mixers do; KDA's per-channel gate is all of v's.
+# values do not change the work), its keys L2-normalized as the mixers do; KDA's per-channel gate is all of v's
+# (kda_dplr: through the general diagonal-plus-low-rank op; kda: its own entry, two products a chunk instead of four).
 
 
 def kda_dplr(q, k, v, beta, g):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.dplr import dplr_delta_rule
+from ..ops.dplr import kda_delta_rule
 from ..ops.dplr.state import dplr_transition_of_tokens
 from ..ops.precision import upcast
 from .common import MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR, MAMBA2_DT_MAX, MAMBA2_DT_MIN, mamba2_decay_init
@@ -27,7 +27,8 @@ def low_rank(dim: int, rank: int, *, bias: bool) -> nn.Sequential:
 
 
 def kda_transition(k, beta, g):
-    """KDA's ``(I − β k kᵀ) Diag(e^g)`` and write ``β k vᵀ`` as the DPLR op's keys, a and b ``[B, T, H, D]``."""
+    """KDA's ``(I − β k kᵀ) Diag(e^g)`` and write ``β k vᵀ`` as the DPLR op's keys, a and b ``[B, T, H, D]`` (for the
+    slice's map, which the general op computes)."""
     write = beta[..., None] * k
     return write, -write, g.exp().to(k.dtype) * k
 
@@ -63,8 +64,7 @@ class KimiDeltaAttention(DeltaNet):
 
     @staticmethod
     def op(q, k, v, beta, g, **options):
-        keys, a, b = kda_transition(k, beta, g)
-        return dplr_delta_rule(q, keys, v, a, b, g, **options)
+        return kda_delta_rule(q, k, v, beta, g, **options)
 
     @staticmethod
     def transition_of_tokens(k, v, beta, g, mask, *, chunk_size):

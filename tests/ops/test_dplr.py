@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from pretrain.ops.delta_rule import chunk as delta_chunk_module
 from pretrain.ops.delta_rule import delta_rule
-from pretrain.ops.dplr import dplr_delta_rule
+from pretrain.ops.dplr import dplr_delta_rule, kda_delta_rule
 
 CHUNK = 8  # small, so short test sequences still span many chunks
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -198,3 +198,22 @@ def test_small_gates_in_sub_chunks_factored_or_pair_by_pair(monkeypatch, spread)
     monkeypatch.setattr(dplr_chunk_module, "FACTORED_SPREAD", {torch.float64: spread})
     assert_same(run_with_grads(dplr_delta_rule, inputs, None, impl="chunk", cu_seqlens=cu, chunk_size=32), want,
                 f"spread {spread}")
+
+
+@pytest.mark.parametrize("gates", [(-1e-3, 0.0), (-20.0, -19.0)], ids=["near_0", "near_-20"])
+@pytest.mark.parametrize("chunk_size", [CHUNK, 32])
+def test_kda_entry_equals_the_transition_written_out(gates, chunk_size):
+    """``kda_delta_rule``'s chunked form (two products a chunk) against the naive form of ``(I − β k kᵀ) Diag(e^g)``:
+    outputs, states and the gradients of q, k, v, β and g, packed documents and initial states."""
+    gen = torch.Generator().manual_seed(11)
+    cu = torch.tensor([0, 1, 2, 5, 13, 16, 29, 45, 50, 90])
+    q, v = torch.randn(1, 90, 2, 4, generator=gen, dtype=torch.float64), torch.randn(1, 90, 2, 5, generator=gen,
+                                                                                      dtype=torch.float64)
+    k = F.normalize(torch.randn(1, 90, 2, 4, generator=gen, dtype=torch.float64), dim=-1)
+    beta = torch.rand(1, 90, 2, generator=gen, dtype=torch.float64)
+    g = gates[0] + (gates[1] - gates[0]) * torch.rand(1, 90, 2, 4, generator=gen, dtype=torch.float64)
+    leaves = [x.requires_grad_() for x in (q, k, v, beta, g)]
+    state = random_state(9).requires_grad_()
+    want = run_with_grads(kda_delta_rule, leaves, state, impl="naive", cu_seqlens=cu)
+    got = run_with_grads(kda_delta_rule, leaves, state, impl="chunk", cu_seqlens=cu, chunk_size=chunk_size)
+    assert_same(got, want, "kda", names=("q", "k", "v", "beta", "g", "initial_state"))

@@ -6,12 +6,15 @@ implementation: ``naive`` (the transition as a matrix, token by token: the oracl
 per-channel log-decays masked before ``exp``) and ``recurrent`` (rank-1 updates, for decoding), each
 ``dplr_<impl>(q, k, v, a, b, g, *, cu_seqlens, initial_state, output_final_state, chunk_size)`` with ``g`` filled
 in. The gated delta rule is the case ``g`` equal over channels, ``a = −β k``, ``b = e^g k``, keys ``β k``.
+
+``kda_delta_rule`` is Kimi Delta Attention's case, ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k`` from ``k``, β and
+``g``: the same forms, the chunked one computing two products per chunk instead of four.
 """
 import torch
 
 from ..delta_rule.state import check_state
 from ..documents import check_offsets, check_packing
-from .chunk import dplr_chunk
+from .chunk import dplr_chunk, kda_chunk
 from .naive import dplr_naive
 from .recurrent import dplr_recurrent
 
@@ -34,16 +37,38 @@ def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     impl: ``auto`` (= ``chunk``), ``naive``, ``chunk`` or ``recurrent``.
     """
     _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl)
-    num = q.shape[0]
-    if cu_seqlens is not None:
-        num = check_offsets(cu_seqlens, q.shape[1])
-    if initial_state is not None:
-        check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3])
+    _check_state(q, v, cu_seqlens, initial_state)
     if g is None:
         g = q.new_zeros(q.shape)
     run = {"auto": dplr_chunk, "naive": dplr_naive, "chunk": dplr_chunk, "recurrent": dplr_recurrent}[impl]
     return run(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def kda_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, *,
+                   cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                   output_final_state: bool = False, chunk_size: int = 64, impl: str = "auto"):
+    """Kimi Delta Attention's rule, ``S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ``: β ``[B, T, H]``,
+    g ``[B, T, H, Dk]`` (≤ 0), k L2-normalized by the caller; otherwise as ``dplr_delta_rule``."""
+    if tuple(beta.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"kda_delta_rule wants beta [B, T, H] = {tuple(q.shape[:3])}; got {tuple(beta.shape)}")
+    write = beta[..., None].to(k.dtype) * k
+    if impl not in ("auto", "chunk"):  # the general forms, on the transition written out
+        return dplr_delta_rule(q, write, v, -write, g.exp().to(k.dtype) * k, g, cu_seqlens=cu_seqlens,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               chunk_size=chunk_size, impl=impl)
+    _check_inputs(q, k, v, write, write, g, cu_seqlens, chunk_size, impl)
+    _check_state(q, v, cu_seqlens, initial_state)
+    return kda_chunk(q, k, v, beta.to(k.dtype), g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                     output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _check_state(q, v, cu_seqlens, initial_state):
+    num = q.shape[0]
+    if cu_seqlens is not None:
+        num = check_offsets(cu_seqlens, q.shape[1])
+    if initial_state is not None:
+        check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3])
 
 
 def _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl):
@@ -66,4 +91,4 @@ def _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl):
     check_packing(q.shape[0], cu_seqlens)
 
 
-__all__ = ["dplr_delta_rule", "IMPLS"]
+__all__ = ["dplr_delta_rule", "kda_delta_rule", "IMPLS"]

@@ -47,10 +47,24 @@ FACTORED_SPREAD = {torch.float32: 40.0, torch.float64: 300.0}
 
 def dplr_chunk(q, k, v, a, b, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
     """Same arguments and results as ``dplr_delta_rule`` (checked there)."""
+    return _chunked((q, k, v, a, b, g), _general_products, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                    output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def kda_chunk(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
+    """Same arguments and results as ``kda_delta_rule`` (checked there): ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k``,
+    whose products all come from two, ``q·k`` and ``k·k`` (as the gated delta rule's)."""
+    return _chunked((q, k, v, beta[..., None], g), _kda_products, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                    output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _chunked(inputs, products, *, cu_seqlens, initial_state, output_final_state, chunk_size):
+    """The chunked form over ``inputs`` (q, k, v, what ``products`` reads, g; ``[B, T, H, *]``)."""
+    q, v = inputs[0], inputs[2]
     batch, length, heads, dk = q.shape
     dtype, total, dv = q.dtype, batch * length, v.shape[-1]
     cu = stream_offsets(batch, length, cu_seqlens, q.device)
-    tokens = tuple(x.reshape(total, heads, x.shape[-1]) for x in upcast(q, k, v, a, b, g))
+    tokens = tuple(x.reshape(total, heads, x.shape[-1]) for x in upcast(*inputs))
     layout = _Layout(cu, total, chunk_size)
     zeros = tokens[0].new_zeros(1, heads, dk, dv)
     given = zeros.expand(layout.num_docs, -1, -1, -1) if initial_state is None else initial_state.to(zeros.dtype)
@@ -58,30 +72,47 @@ def dplr_chunk(q, k, v, a, b, g, *, cu_seqlens, initial_state, output_final_stat
     sub = max(size for size in range(1, min(SUB_CHUNK, chunk_size) + 1) if chunk_size % size == 0)
     blocks = layout.blocks(heads, max(dk, dv))
     block = partial(_block, has_initial=initial_state is not None, want_final=output_final_state, layout=layout,
-                    sub=sub)
+                    sub=sub, products=products)
     o, _, finals = in_blocks(block, blocks, chunk_size, tokens, initial[layout.first_doc], initial)
     o = o.view(batch, length, heads, -1).to(dtype)
     return (o, torch.cat(finals)) if output_final_state else o
 
 
-def _block(lo: int, hi: int, q, k, v, a, b, g, entering, initial, *, has_initial, want_final, layout: _Layout,
-           sub: int):
-    """Chunks ``lo … hi-1`` from ``entering`` (the state of chunk lo's first document before it) → their outputs as
-    ``[(hi − lo)·C, H, Dv]`` rows, the state entering chunk hi and, when ``want_final``, the final states of the
-    documents ending in them."""
-    Q, K, V, A, B, G = (layout.split(x, 0, hi - lo) for x in (q, k, v, a, b, g))  # [n, H, C, *]
+def _general_products(Q, K, parts, G, D, same_doc, before, sub):
+    """``(P^{qa}, P^{qk}, P^{ba}, P^{bk}, B ⊙ e^{D⁻}, A, K)`` of a chunk, ``parts`` its a and b."""
+    A, B = parts
+    # b_t reads the state before its own decay: its products are those of b_t in row t − 1, shifted down a row
+    B_next = F.pad(B[..., 1:, :], (0, 0, 0, 1))
+    (P_qa, P_qk), shifted = decayed_products([Q, B_next], D, [A, K], same_doc, sub)
+    P_ba, P_bk = (torch.where(before, F.pad(P[..., :-1, :], (0, 0, 1, 0)), 0.0) for P in shifted)
+    return P_qa, P_qk, P_ba, P_bk, B * (before.to(G.dtype) @ G).exp(), A, K
+
+
+def _kda_products(Q, K, parts, G, D, same_doc, before, sub):
+    """The same for KDA (``parts``: β ``[n, H, C, 1]``): with keys ``β k``, ``P^{qk} = P^{q·k} β_j = −P^{qa}``, and
+    ``b_t e^{D⁻_t} = k_t e^{D_t}`` makes ``P^{bk} = P^{k·k} β_j = −P^{ba}`` below the diagonal; None stands for
+    those negatives (the block then multiplies once: ``P^{qk} (V − U)``)."""
+    (beta,) = parts
+    (P_qk,), (P_kk,) = decayed_products([Q, K], D, [K], same_doc, sub) * beta.mT
+    write = beta * K
+    return None, P_qk, None, torch.where(before, P_kk, 0.0), K * D.exp(), -write, write
+
+
+def _block(lo: int, hi: int, q, k, v, *rest, has_initial, want_final, layout: _Layout, sub: int, products):
+    """Chunks ``lo … hi-1`` from ``entering`` (the state of chunk lo's first document before it; ``rest`` ends with
+    it and the initial states) → their outputs as ``[(hi − lo)·C, H, Dv]`` rows, the state entering chunk hi and,
+    when ``want_final``, the final states of the documents ending in them."""
+    *parts, g, entering, initial = rest
+    Q, K, V, G, *parts = (layout.split(x, 0, hi - lo) for x in (q, k, v, g, *parts))  # [n, H, C, *]
     same_doc = layout.mask[lo:hi]  # [n, 1, C, C]: causal and one document
     before = same_doc & ~torch.eye(layout.size, dtype=torch.bool, device=same_doc.device)
     reads = layout.reads_state[lo:hi]  # [n, 1, C, 1]: the token continues the chunk's first document
     feeds = layout.feeds_next[lo:hi]  # its document runs into the next chunk
     D = same_doc.to(G.dtype) @ G  # [n, H, C, Dk]
-    D_before = before.to(G.dtype) @ G
-    # b_t reads the state before its own decay: its products are those of b_t in row t − 1, shifted down a row
-    B_next = F.pad(B[..., 1:, :], (0, 0, 0, 1))
-    (P_qa, P_qk), shifted = decayed_products([Q, B_next], D, [A, K], same_doc, sub)
-    P_ba, P_bk = (torch.where(before, F.pad(P[..., :-1, :], (0, 0, 1, 0)), 0.0) for P in shifted)
-    rhs = torch.cat([P_bk @ V, B * D_before.exp()], dim=-1)
-    U, W = torch.linalg.solve_triangular(-P_ba, rhs, upper=False, unitriangular=True).split(
+    P_qa, P_qk, P_ba, P_bk, B_read, A, K = products(Q, K, parts, G, D, same_doc, before, sub)
+    rhs = torch.cat([P_bk @ V, B_read], dim=-1)
+    lower = P_bk if P_ba is None else -P_ba
+    U, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
         [V.shape[-1], K.shape[-1]], dim=-1)
     QD = Q * D.exp()
     own_reads = _own_initial_reads(torch.stack([W, QD], dim=-2), initial, layout, lo, hi) if has_initial else None
@@ -102,7 +133,7 @@ def _block(lo: int, hi: int, q, k, v, a, b, g, entering, initial, *, has_initial
         read_list.append(read)
         state = (decays * state if layout.carries_list[lo + c] else new) + hand.mT @ read + adds
     states, U = torch.stack(states), torch.stack(read_list)
-    out = (QD * reads) @ states + P_qa @ U + P_qk @ V
+    out = (QD * reads) @ states + (P_qk @ (V - U) if P_qa is None else P_qa @ U + P_qk @ V)
     if has_initial:
         out = out + own_reads[:, :, :, 1]
     if not want_final:
