@@ -24,6 +24,7 @@ REGIMES = {
     "kda_gates_near_0": ("kda", (-1e-3, 0.0)),
     "kda_gates_near_-20": ("kda", (-20.0, -19.0)),
     "kda_mixed": ("kda", "mixed"),
+    "kda_moderate": ("kda", (-1.0, 0.0)),
     "rwkv7_mixed": ("rwkv7", "mixed"),
 }
 
@@ -186,14 +187,14 @@ def test_a_runs_map_and_its_combine_rule():
     torch.testing.assert_close(M_both, M, **TOL)
 
 
-@pytest.mark.parametrize("spread", [300.0, -1.0], ids=["factored", "pair_by_pair"])
-def test_small_gates_in_sub_chunks_factored_or_pair_by_pair(monkeypatch, spread):
-    """Small gates factor inside a sub-chunk (two sub-chunks a chunk here); with that refused, each pair's own
-    exponent gives the same."""
+@pytest.mark.parametrize("spread", [300.0, 10.0, -1.0], ids=["factored_whole", "factored_halves", "pair_by_pair"])
+def test_moderate_gates_factored_or_pair_by_pair(monkeypatch, spread):
+    """Gates in (−1, 0) factor through a whole chunk of 32, or (allowed a spread of 10) through its two halves, one
+    product between them; with factoring refused, each pair's own exponent gives the same."""
     from pretrain.ops.dplr import chunk as dplr_chunk_module
 
     cu = torch.tensor([0, 1, 2, 5, 13, 16, 29, 45])
-    inputs = make_inputs(1, 45, "kda_gates_near_0", seed=10)
+    inputs = make_inputs(1, 45, "kda_moderate", seed=10)
     want = run_with_grads(dplr_delta_rule, inputs, None, impl="naive", cu_seqlens=cu)
     monkeypatch.setattr(dplr_chunk_module, "FACTORED_SPREAD", {torch.float64: spread})
     assert_same(run_with_grads(dplr_delta_rule, inputs, None, impl="chunk", cu_seqlens=cu, chunk_size=32), want,

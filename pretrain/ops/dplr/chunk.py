@@ -19,8 +19,9 @@ products: ``P`` is no longer a masked matrix product times a C×C decay. Each ``
 * between sub-chunks, through the decay at the earlier sub-chunk's last token r,
   ``e^{D_i − D_j} = e^{D_i − D_r} · e^{D_r − D_j}``: both factors ≤ 1 when the gates are ≤ 0, exact at any gate;
 * inside a sub-chunk, through its first token f, ``e^{D_i − D_f} · e^{D_f − D_j}``, when the log-decay falls by
-  at most ``FACTORED_SPREAD`` (40 in fp32) across every sub-chunk of the block, so no factor overflows;
-  otherwise (gates near −20 per channel) each pair's exponent on its own, ``C·16·Dk`` exponentials per chunk.
+  at most ``FACTORED_SPREAD`` (40 in fp32) across every sub-chunk of the block, so no factor overflows (the
+  sub-chunks are then as long as that allows: the whole chunk, half of it, …, 16 tokens); otherwise (gates near
+  −20 per channel) each pair's exponent on its own in sub-chunks of 16, ``C·16·Dk`` exponentials per chunk.
 
 Exponents that may be large are clamped to ≤ 0 before ``exp`` and their pairs masked off after, so gates near −20
 neither overflow nor turn into NaN; a pair whose decay underflows contributes its true, negligible value.
@@ -39,7 +40,7 @@ from ..linear_attention.runs import gather_runs
 from ..precision import upcast
 from ..recompute import in_blocks
 
-SUB_CHUNK = 16  # the most tokens whose pairwise decays may be formed one by one
+SUB_CHUNK = 16  # the shortest sub-chunk that factors, the longest whose pairwise decays are formed one by one
 # how far the log-decay may fall inside every sub-chunk of a block (per channel, across documents) for its pairs to
 # factor through the sub-chunk's first token: each factor within e^{±spread}, their products far from overflow
 FACTORED_SPREAD = {torch.float32: 40.0, torch.float64: 300.0}
@@ -149,14 +150,14 @@ def decayed_products(Xs, D, Ys, mask, sub: int) -> torch.Tensor:
     Exponents that may be large are clamped to ≤ 0 before ``exp`` (the pairs allowed have them so already; the others
     are masked off after)."""
     n, heads, size, dk = D.shape
+    factored = _factored_sub_chunk(D, sub)
+    sub = factored or sub
     count, nx, ny = size // sub, len(Xs), len(Ys)
     X_b, Y_b = (torch.stack(t, 2).view(n, heads, -1, count, sub, dk).transpose(2, 3) for t in (Xs, Ys))
     D_b = D.view(n, heads, count, sub, dk)  # X_b, Y_b: [n, H, m, X or Y, s, Dk]
-    spread = D_b - D_b[..., :1, :]  # the log-decays from each sub-chunk's first token
-    if float(spread.detach().abs().amax()) <= FACTORED_SPREAD[D.dtype]:  # through it: two factors, no overflow
-        left = (X_b * spread.exp()[:, :, :, None]).flatten(3, 4)
-        right = (Y_b * (-spread).exp()[:, :, :, None]).flatten(3, 4)
-        inner = left @ right.mT  # [n, H, m, X·s, Y·s]
+    if factored:  # through each sub-chunk's first token f: e^{D_i − D_f} · e^{D_f − D_j}, no factor overflows
+        spread = (D_b - D_b[..., :1, :])[:, :, :, None]
+        inner = (X_b * spread.exp()).flatten(3, 4) @ (Y_b * (-spread).exp()).flatten(3, 4).mT  # [n, H, m, X·s, Y·s]
     else:  # each pair's exponent on its own, laid out [j, i] so that j batches the products
         decay = (D_b[..., None, :, :] - D_b[..., :, None, :]).clamp(max=0).exp()  # [n, H, m, j, i, Dk]
         weighted = X_b[:, :, :, None] * decay[:, :, :, :, None]  # [n, H, m, j, X, i, Dk]
@@ -176,6 +177,17 @@ def decayed_products(Xs, D, Ys, mask, sub: int) -> torch.Tensor:
     grid = values.new_zeros(count, count, *values.shape[1:]).index_put((torch.cat(rows), torch.cat(columns)), values)
     grid = grid.view(count, count, n, heads, nx, sub, ny, sub).permute(4, 6, 2, 3, 0, 5, 1, 7)
     return torch.where(mask, grid.reshape(nx, ny, n, heads, size, size), 0.0)
+
+
+def _factored_sub_chunk(D, smallest: int) -> int | None:
+    """The longest sub-chunk (a multiple of ``smallest`` dividing C) across which ``D [n, H, C, Dk]`` moves by at most
+    ``FACTORED_SPREAD`` in every channel, or None: its pairs may factor through its first token."""
+    *lead, size, dk = D.shape
+    for sub in (d for d in range(size, smallest - 1, -1) if size % d == 0 and d % smallest == 0):
+        blocks = D.detach().view(*lead, size // sub, sub, dk)
+        if float((blocks - blocks[..., :1, :]).abs().amax()) <= FACTORED_SPREAD[D.dtype]:
+            return sub
+    return None
 
 
 def _final_states(keys, values, D, states, initial, layout: _Layout, lo: int, hi: int) -> torch.Tensor:
