@@ -117,6 +117,9 @@ class ParallelConfig:
     # ranks that split one sequence (task lm): each holds train.seq_len / N contiguous tokens of every row; the
     # world is world_size / N data-parallel replicas of N consecutive ranks (docs/SEQUENCE_PARALLEL.md)
     sequence_parallel: int = 1
+    # seconds a collective may wait for the slowest rank before the run fails; null keeps DeepSpeed's default (10
+    # minutes, or DEEPSPEED_TIMEOUT minutes). A resume's checkpoint conversion is waited for outside collectives
+    collective_timeout_s: float | None = None
 
 
 @dataclass
@@ -301,6 +304,8 @@ def _validate(cfg: DictConfig) -> None:
             "splits LM rows; task vision has none and task recall trains whole rows")
     require(cfg, "parallel.sequence_parallel", cfg.train.seq_len % sp == 0,
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
+    timeout = cfg.parallel.collective_timeout_s
+    require(cfg, "parallel.collective_timeout_s", timeout is None or timeout > 0, "must be > 0 (or null)")
 
     model = cfg.model
     if cfg.task in ("lm", "recall"):  # both are causal LMs

@@ -1,5 +1,6 @@
 """One process group for every launcher: ``deepspeed``, ``torchrun`` and plain ``python`` (a world of one)."""
 import contextlib
+import datetime
 import io
 import os
 import socket
@@ -79,8 +80,9 @@ def build_comm_op() -> None:
         get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 
 
-def init_process_group() -> World:
-    """Join the launcher's process group: nccl on CUDA, gloo on CPU.
+def init_process_group(timeout_s: float | None = None) -> World:
+    """Join the launcher's process group: nccl on CUDA, gloo on CPU; ``timeout_s`` bounds any collective's wait
+    (None: DeepSpeed's default).
 
     Launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a plain ``python`` run has none, so it becomes a world
     of one on a free local port (DeepSpeed needs a process group even then).
@@ -104,7 +106,8 @@ def init_process_group() -> World:
     if os.environ["RANK"] == "0":
         print(said, file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" on every rank
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **timeout)
     # DeepSpeed's collectives call torch's all_gather_into_tensor, deprecated in favour of all_gather_single, which
     # it now calls: the same op, and a FutureWarning from every rank of every ZeRO run that the user cannot act on
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",

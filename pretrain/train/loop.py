@@ -127,7 +127,8 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig):
         self.cfg, t = cfg, cfg.train
-        self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
+        self.world = split_sequences(init_process_group(cfg.parallel.collective_timeout_s),
+                                     cfg.parallel.sequence_parallel)
         lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
         pin_tokenizer(Path(cfg.run.dir), cfg.data.tokenizer, is_main=self.world.is_main,
                       resuming=checkpoint.latest_tag(Path(cfg.run.dir) / "checkpoints") is not None)
@@ -321,9 +322,8 @@ def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:
     """What a resume on another layout of ranks changed, one line each: the resharding, the global batch."""
     lines, written_by, sp_before = [], resumed["written_by"], resumed.get("sequence_parallel", 1)
     if written_by != now["world_size"] or sp_before != now["sequence_parallel"]:
-        if resumed["resharded_s"] is not None:
-            how = ("optimizer states resharded through DeepSpeed's universal checkpoint "
-                   f"({resumed['resharded_s']:.1f} s)")
+        if resumed["resharded"] is not None:
+            how = f"optimizer states resharded through DeepSpeed's universal checkpoint ({resumed['resharded']})"
         elif written_by != now["world_size"]:
             how = "the checkpoint holds whole states (no ZeRO partitions), loaded as they are"
         else:
