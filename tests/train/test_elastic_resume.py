@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.train import checkpoint
 
+import launching
 from launching import launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.dist
@@ -42,12 +43,7 @@ def runs(lm_data, tmp_path_factory):
 
 
 def rewound(run, tmp_path):
-    """A copy of ``run`` as it was when stopped after step 2's checkpoint (its metrics of steps 3, 4 included)."""
-    copy = tmp_path / "resumed"
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / checkpoint.tag_for(STEPS))
-    (copy / "checkpoints" / "latest").write_text(checkpoint.tag_for(2))
-    return copy
+    return launching.rewound(run, tmp_path, to=checkpoint.tag_for(2), drop=checkpoint.tag_for(STEPS))
 
 
 def assert_continues(resumed, reference, *, rel=1e-5):

@@ -6,13 +6,13 @@ copy is converted while two ranks wait under a 2-second process-group timeout, a
 before a resume on two ranks that must continue as the uninterrupted run.
 """
 import json
-import shutil
 import subprocess
 
 import pytest
 
 from pretrain.train import checkpoint, universal
 
+import launching
 from launching import PYTHON, REPO, launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.dist
@@ -34,11 +34,7 @@ def reference(lm_data, tmp_path_factory):
 
 
 def rewound(run, tmp_path):
-    copy = tmp_path / "resumed"
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / checkpoint.tag_for(STEPS))
-    (copy / "checkpoints" / "latest").write_text(checkpoint.tag_for(2))
-    return copy
+    return launching.rewound(run, tmp_path, to=checkpoint.tag_for(2), drop=checkpoint.tag_for(STEPS))
 
 
 def test_ranks_wait_for_a_conversion_longer_than_the_process_group_timeout(reference, tmp_path):
