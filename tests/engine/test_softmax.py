@@ -274,3 +274,11 @@ def test_cuda_packed_mixer_step_never_syncs(impl):
         out.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_packed_benchmark_reports_every_impl_beside_sdpa_per_document(load_tool, capsys):
+    load_tool("bench_softmax_packed").main(["--batch", "2", "--seq-len", "48", "--min-doc", "1", "--max-doc", "20",
+                                            "--head-dim", "8", "--impls", "sdpa,masked,naive", "--repeats", "1"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row[1].strip() for row in rows[1:]] == ["sdpa", "masked", "naive"]
+    assert all(float(row[3]) < 1e-5 for row in rows[1:])  # each form's output matches SDPA per document

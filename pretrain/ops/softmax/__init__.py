@@ -8,7 +8,7 @@ documents one call each), ``masked`` (SDPA once over packed documents with a blo
 its first-use check against per-document SDPA (``ops/first_use.py``): packed documents then cost one kernel call and
 no host sync. Everywhere else it takes ``sdpa``: on CPU reading the offsets stalls nothing, and each document alone
 is the least work (one ``masked`` call over the packed row does B× the work of its rows and holds a ``(B·T)²``
-mask; 3–14× slower on CPU, benchmarks/softmax_packed_cpu.md).
+mask: 4–14× slower on CPU, benchmarks/softmax_packed_cpu.md).
 """
 import torch
 
