@@ -193,3 +193,15 @@ def test_a_correct_softmax_kernel_is_taken_after_a_wrong_one(monkeypatch):
         warnings.simplefilter("error")
         sm.softmax_attention(q, k, v, cu_seqlens=cu)
     assert (flash.calls, varlen.calls) == (1, 3)  # each check once, then varlen for both requests
+
+
+def test_a_decided_softmax_check_makes_nothing_on_the_device(monkeypatch):
+    """Once a request class has its verdict, auto builds no check inputs (on a GPU, copying them there waits for
+    the device: a host sync on every layer of every step)."""
+    use_softmax_kernels(monkeypatch, varlen=Counted(per_document_sdpa))
+    made = Counted(sm.sample_inputs)
+    monkeypatch.setattr(sm, "sample_inputs", made)
+    q = k = v = torch.randn(1, 30, 2, 8)
+    for _ in range(3):
+        sm.softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 1, 30]))
+    assert made.calls == 1

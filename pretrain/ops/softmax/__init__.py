@@ -53,15 +53,20 @@ def _candidates(q, packed: bool) -> list[str]:
 
 def _trusted(name, q, v, causal, cu_seqlens) -> bool:
     """The kernel's first-use check (``ops/first_use.py``) against per-document SDPA for this device, dtype and
-    request class: two heads of the request's widths, two packed documents (one of a single token) when the request
-    packs them."""
+    request class: two heads of the request's widths, three packed documents (one of a single token) when the
+    request packs them. Nothing is made on the device once the class has its verdict."""
     length, packed = 77, cu_seqlens is not None
     key = (name, str(q.device), q.dtype, q.shape[3], v.shape[3], causal, packed)
     heads = min(q.shape[2], 2)
-    inputs = sample_inputs([(1, length, heads, q.shape[3])] * 2 + [(1, length, heads, v.shape[3])], like=q)
-    cu = torch.tensor([0, 30, 31, length], device=q.device, dtype=torch.int32) if packed else None
-    return first_use_ok(key, lambda q, k, v: KERNELS[name](q, k, v, causal, cu, length),
-                        lambda q, k, v: sdpa(q, k, v, causal, cu), inputs,
+
+    def inputs():
+        return sample_inputs([(1, length, heads, q.shape[3])] * 2 + [(1, length, heads, v.shape[3])], like=q)
+
+    def documents(x):
+        return torch.tensor([0, 30, 31, length], device=x.device, dtype=torch.int32) if packed else None
+
+    return first_use_ok(key, lambda q, k, v: KERNELS[name](q, k, v, causal, documents(q), length),
+                        lambda q, k, v: sdpa(q, k, v, causal, documents(q)), inputs,
                         kernel_name=NAMES[name], reference_name="PyTorch's scaled_dot_product_attention")
 
 
