@@ -80,7 +80,7 @@ def _check(q, k, v, cu_seqlens, max_seqlen, impl):
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     check_packing(q.shape[0], cu_seqlens)
-    if max_seqlen is not None and not (isinstance(max_seqlen, int) and max_seqlen >= 1):
+    if max_seqlen is not None and not (isinstance(max_seqlen, (int, torch.SymInt)) and max_seqlen >= 1):
         raise ValueError(f"max_seqlen must be a positive int (a bound on the longest document); got {max_seqlen!r}")
 
 

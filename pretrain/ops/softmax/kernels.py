@@ -54,8 +54,7 @@ def varlen(q, k, v, causal, cu_seqlens=None, max_seqlen=None):
         raise ValueError("impl='varlen' needs torch.nn.attention.varlen.varlen_attn, which this torch lacks")
     if q.device.type == "cpu":
         raise ValueError("impl='varlen' is PyTorch's CUDA flash kernel; on CPU use impl='sdpa' or 'masked'")
-    cu_seqlens, max_seqlen = _as_documents(q, cu_seqlens, max_seqlen)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu, max_seqlen = _as_documents(q, cu_seqlens, max_seqlen)
     out = varlen_attn(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), cu, cu, max_seqlen, max_seqlen,
                       **_varlen_causal(causal))
     return out.view(v.shape)
@@ -67,20 +66,19 @@ def flash(q, k, v, causal, cu_seqlens=None, max_seqlen=None):
         raise ValueError("impl='flash' needs the flash-attn package, which does not import here")
     if cu_seqlens is None:
         return flash_attn_func(q, k, v, causal=causal)
-    cu_seqlens, max_seqlen = _as_documents(q, cu_seqlens, max_seqlen)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu, max_seqlen = _as_documents(q, cu_seqlens, max_seqlen)
     return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, causal=causal).unsqueeze(0)
 
 
 def _as_documents(q, cu_seqlens, max_seqlen):
-    """The varlen kernels' view of ``q [B, T, H, D]``: the documents' offsets and a bound on the longest. Rows
-    unpacked become documents of T (their offsets made on the device)."""
+    """The varlen kernels' view of ``q [B, T, H, D]``: the documents' int32 offsets on q's device and a bound on
+    the longest. Rows unpacked become documents of T (their offsets made on the device)."""
     batch, length = q.shape[:2]
     if cu_seqlens is None:
         cu_seqlens, max_seqlen = torch.arange(batch + 1, device=q.device) * length, length
     elif max_seqlen is None:
         max_seqlen = int(cu_seqlens.diff().max())  # the one host read; callers that know a bound pass it
-    return cu_seqlens, max_seqlen
+    return cu_seqlens.to(device=q.device, dtype=torch.int32), max_seqlen
 
 
 @functools.cache
