@@ -6,8 +6,9 @@
 
 Rows of ``--seq-len`` tokens are cut into documents of uniformly random length in [``--min-doc``, ``--max-doc``]
 (seeded; the last one in a row cut short), packed into one row of B·T as the LM does, with the row length as
-``max_seqlen``. Each impl runs ``--warmup`` then ``--repeats`` forward+backward steps; the median is reported with
-the largest difference from ``sdpa`` (SDPA once per document, the reference).
+``max_seqlen`` (``--max-seqlen exact``: the longest document). Each impl runs ``--warmup`` then ``--repeats``
+forward+backward steps; the median is reported with the largest difference from ``sdpa`` (SDPA once per document,
+the reference).
 """
 import argparse
 import functools
@@ -61,6 +62,9 @@ def main(argv=None):
     parser.add_argument("--min-doc", type=int, default=32)
     parser.add_argument("--max-doc", type=int, default=400)
     parser.add_argument("--impls", default="sdpa,masked", help="comma-separated softmax_attention impls")
+    parser.add_argument("--max-seqlen", choices=["row", "exact"], default="row",
+                        help="the bound the varlen kernels get: the row length (as the mixer passes it, nothing read "
+                             "from the device) or the longest document (read once here)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -72,15 +76,17 @@ def main(argv=None):
     shape = (1, args.batch * args.seq_len, args.heads, args.head_dim)
     q, k, v = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
 
+    max_seqlen = args.seq_len if args.max_seqlen == "row" else int(cu.diff().max())
+
     def run(impl):
-        return softmax_attention(q, k, v, cu_seqlens=cu, max_seqlen=args.seq_len, impl=impl)
+        return softmax_attention(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, impl=impl)
 
     def forward_backward(impl):
         run(impl).sum().backward()
 
     reference = run("sdpa").detach().float()
     print(f"{args.batch} rows × {args.seq_len} tokens, {cu.numel() - 1} documents, {args.heads} heads × "
-          f"{args.head_dim}, {args.dtype} on {device}")
+          f"{args.head_dim}, {args.dtype} on {device}, max_seqlen {max_seqlen}")
     print("| impl | forward+backward (ms) | max abs difference from sdpa |\n|---|---:|---:|")
     for impl in args.impls.split(","):
         seconds = median_seconds(functools.partial(forward_backward, impl), device, args.warmup, args.repeats)

@@ -192,10 +192,11 @@ def test_mixer_is_registered_causal_with_its_options():
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_mixer_keeps_packed_documents_apart(qk_norm):
+@pytest.mark.parametrize("impl", ["auto", "masked"])
+def test_mixer_keeps_packed_documents_apart(qk_norm, impl):
     """Two rows of packed documents give, token for token, what each document gives alone."""
     torch.manual_seed(0)
-    mixer = build_mixer("softmax", 32, 4, causal=True, options={"qk_norm": qk_norm}).double()
+    mixer = build_mixer("softmax", 32, 4, causal=True, options={"qk_norm": qk_norm, "impl": impl}).double()
     x = torch.randn(2, 10, 32, dtype=torch.float64)
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])
     packed = mixer(x, cu_seqlens=cu_seqlens_from_position_ids(position_ids), position_ids=position_ids)
