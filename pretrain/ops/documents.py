@@ -61,13 +61,15 @@ def split_documents(cu_seqlens: torch.Tensor, *tensors: torch.Tensor) -> list[tu
 
 
 def document_ids(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
-    """``[T]`` long: the index of the document each token belongs to (all 0 without ``cu_seqlens``)."""
-    doc = torch.zeros(total, dtype=torch.long, device=device)
-    if cu_seqlens is not None:
-        starts = cu_seqlens[1:-1].long().to(device)
-        doc[starts[starts < total]] = 1
-        doc = doc.cumsum(0)
-    return doc
+    """``[T]`` long: the index of the document each token belongs to (all 0 without ``cu_seqlens``).
+
+    Reads no values on the host (a one-call attention builds its mask from it on the GPU): starts at or past T mark
+    a spare slot past the end, and empty documents mark their shared start once."""
+    if cu_seqlens is None:
+        return torch.zeros(total, dtype=torch.long, device=device)
+    marks = torch.zeros(total + 1, dtype=torch.long, device=device)
+    marks[cu_seqlens[1:-1].long().to(device).clamp(max=total)] = 1
+    return marks[:total].cumsum(0)
 
 
 def document_positions(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
@@ -123,7 +125,8 @@ def causal_same_document(by_chunk: torch.Tensor) -> torch.Tensor:
 def document_mask(total: int, cu_seqlens: torch.Tensor | None, *, causal: bool, device=None) -> torch.Tensor:
     """``[T, T]`` bool: may token t (row) see token j (column)? Same document, and j ≤ t when causal.
 
-    The naive references use it; the fast forms never build a T×T matrix.
+    The naive references use it, and softmax's one-call SDPA form (``impl="masked"``); no other fast form builds a
+    T×T matrix.
     """
     doc = document_ids(total, cu_seqlens, device)
     allowed = doc[:, None] == doc[None, :]

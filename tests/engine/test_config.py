@@ -182,8 +182,10 @@ def test_mixer_options_are_checked_by_name_type_and_construction():
     refused("model.mixer_options.softmax.rope_theta", "model.mixer_options.softmax.rope_theta=big")
     message = refused("model.mixer_options.softmax", "model.dim=36", "model.n_heads=4")  # head dim 9: odd
     assert "even head dimension" in message
-    cfg = load("model.mixer_options.softmax.rope_theta=500000", "model.mixer_options.softmax.qk_norm=true")
-    assert cfg.model.mixer_options.softmax == {"rope_theta": 500000, "qk_norm": True}
+    assert "impl must be one of" in refused("model.mixer_options.softmax", "model.mixer_options.softmax.impl=flex")
+    cfg = load("model.mixer_options.softmax.rope_theta=500000", "model.mixer_options.softmax.qk_norm=true",
+               "model.mixer_options.softmax.impl=varlen")
+    assert cfg.model.mixer_options.softmax == {"rope_theta": 500000, "qk_norm": True, "impl": "varlen"}
 
 
 def test_a_mixer_shorter_than_the_sequence_is_refused_at_load_time():
