@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from pretrain.ops.documents import document_ids, document_sums
+from pretrain.ops.documents import check_offsets, document_ids, document_sums
 
 
 def loop_sums(x, cu_seqlens, *, causal, initial):
@@ -48,3 +48,19 @@ def test_document_ids_count_documents_and_read_nothing_from_the_device():
     assert document_ids(7, cu).tolist() == [0, 0, 1, 2, 2, 2, 2]
     assert document_ids(4, None).tolist() == [0, 0, 0, 0]
     assert document_ids(7, cu.to("meta"), "meta").shape == (7,)
+
+
+def test_offsets_are_read_once_per_tensor_and_again_after_a_change(monkeypatch):
+    """Every layer gets the model's one offsets tensor: reading it per layer was a host sync per layer on a GPU."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert [check_offsets(offsets, 8) for _ in range(4)] == [2] * 4
+    assert len(reads) == 1
+    offsets[1] = 0  # changed in place: read and refused
+    with pytest.raises(ValueError, match="rise strictly"):
+        check_offsets(offsets, 8)
+    with pytest.raises(ValueError, match="from 0 to T=9"):  # another length: checked again
+        check_offsets(torch.tensor([0, 3, 8]), 9)
+    assert len(reads) == 3
