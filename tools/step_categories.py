@@ -1,0 +1,217 @@
+"""A training step's time by category, read from the Chrome trace of ``torch.profiler`` (tools/profile_step.py).
+
+Every op the step runs is given one category by what it is and where it runs (the first rule that holds, walking
+from the op out through the ops and ``pretrain.scopes`` regions around it):
+
+- communication: a collective (``c10d::``, ``nccl``, ``gloo``, ``all_reduce``, ...), wherever it is called from;
+- matmul: an ``nn.Linear`` (``aten::linear``: the mixers' projections, the feed-forward's, the LM head's), and a
+  matmul inside the fused loss (the head's logits and gradients);
+- optimizer / ZeRO: the ``optimizer`` region (``engine.step``: clipping, Adam, ZeRO's partitions and gathers, the
+  gradient norm), gradient accumulation (``AccumulateGrad``, where ZeRO's gradient hooks run), and what
+  ``engine.backward`` does outside autograd's nodes (DeepSpeed's gradient reduction);
+- the region the op runs in: ``mixer`` → mixer ops (feature maps, the attention or recurrence op, convolutions,
+  gates, per-head norms aside), ``loss`` → loss, ``norm``, ``ffn`` (its activation) and ``block`` (the residual
+  adds) → norms & elementwise; the embedding's lookup is elementwise too;
+- other: an op outside every region (the task moving the batch to the device, the step's own flag).
+
+A backward op takes the category of the forward op that made it (the trace's ``fwdbwd`` flows join them), so
+"mixer" holds the mixer's forward and backward; ops that activation checkpointing reruns in backward land where
+their forward does, and so count in the time, never in the FLOPs.
+
+How time is counted depends on where the step runs:
+- CUDA: the device's time. Each kernel (memcpy and memset included) belongs to the op that launched it; where
+  kernels overlap (communication on its own stream beside compute), the overlap is counted once, as the
+  compute's, so "communication" is the exposed part. The time no kernel runs is "device waits on host".
+- CPU: the main thread's time. Each op counts its self time (without the ops inside it); the rest, "host,
+  between ops", is Python, the data loader, DeepSpeed's and autograd's bookkeeping.
+Either way the rows add up to the profiled steps' time, which ``profile_step`` checks against its own clock.
+"""
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+
+from pretrain import scopes
+
+CATEGORIES = {  # key: the row's label
+    "mixer": "mixer ops",
+    "matmul": "matmuls (projections, feed-forward, head)",
+    "elementwise": "norms, embedding & elementwise",
+    "loss": "loss",
+    "optimizer": "optimizer / ZeRO",
+    "communication": "communication",
+    "other": "other ops",
+    "host": "host",  # relabelled by where the step ran (HOST_LABEL)
+}
+HOST_LABEL = {"cuda": "device waits on host", "cpu": "host, between ops (Python, data, bookkeeping)"}
+REGION_CATEGORY = {scopes.MIXER: "mixer", scopes.LOSS: "loss", scopes.NORM: "elementwise", scopes.FFN: "elementwise",
+                   scopes.BLOCK: "elementwise", scopes.OPTIMIZER: "optimizer", scopes.BACKWARD: "optimizer"}
+COMMUNICATION = ("c10d::", "nccl", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
+                 "broadcast", "all_to_all", "alltoall", "record_param_comms", "barrier")
+MATMULS = {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function", "Operator", "Runtime"}
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
+STEP_PREFIX = "ProfilerStep#"
+EVALUATE = "autograd::engine::evaluate_function: "
+
+
+class Event:
+    """A complete ("X") event of the trace, in µs; where it nests, and the forward op of a backward op, come later."""
+    __slots__ = ("name", "cat", "thread", "start", "end", "args", "parent", "forward", "children_us", "category")
+
+    def __init__(self, raw: dict):
+        self.name, self.cat, self.thread = raw["name"], raw.get("cat", ""), (raw["pid"], raw["tid"])
+        self.start = float(raw["ts"])
+        self.end = self.start + float(raw.get("dur", 0))
+        self.args = raw.get("args") or {}
+        self.parent = self.forward = self.category = None  # forward: a backward op's forward op (fwdbwd flow)
+        self.children_us = 0.0
+
+
+@dataclass
+class StepTime:
+    """The profiled steps' time: per category (µs, all steps), and the window the steps span."""
+    by_category: dict[str, float]
+    window_us: float
+    steps: int
+    device: str  # "cuda" or "cpu": what was counted
+
+    def ms_per_step(self) -> dict[str, float]:
+        return {key: value / self.steps / 1e3 for key, value in self.by_category.items()}
+
+
+def step_time(trace: dict) -> StepTime:
+    """The categories of the steps marked ``ProfilerStep#N`` in a Chrome trace (``json.load``-ed): device time where
+    the trace has kernels, else the main thread's (module doc)."""
+    host, device, flows = [], [], defaultdict(dict)
+    for raw in trace["traceEvents"]:
+        phase, cat = raw.get("ph"), raw.get("cat", "")
+        if phase == "X" and cat in HOST_CATS:
+            host.append(Event(raw))
+        elif phase == "X" and cat in DEVICE_CATS:
+            device.append(Event(raw))
+        elif phase in ("s", "f") and cat == "fwdbwd":
+            flows[raw["id"]][phase] = ((raw["pid"], raw["tid"]), float(raw["ts"]))
+    steps = sorted((e for e in host if e.cat == "user_annotation" and e.name.startswith(STEP_PREFIX)),
+                   key=lambda e: e.start)
+    if not steps:
+        raise ValueError(f"the trace marks no steps ({STEP_PREFIX}N): profile with a torch.profiler schedule")
+    window = (steps[0].start, steps[-1].end)
+    _nest(host)
+    _link_backward_to_forward(host, flows)
+    if device:
+        by_category = _device_time(device, host, window)
+    else:
+        by_category = _main_thread_time(host, steps[0].thread, window)
+    return StepTime(by_category, window[1] - window[0], len(steps), "cuda" if device else "cpu")
+
+
+def _nest(events: list[Event]) -> None:
+    """Each host event's parent: the innermost event of its thread that encloses it; and its children's time."""
+    by_thread = defaultdict(list)
+    for event in events:
+        by_thread[event.thread].append(event)
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (e.start, -e.end))
+        open_events: list[Event] = []
+        for event in thread_events:
+            while open_events and open_events[-1].end <= event.start:
+                open_events.pop()
+            if open_events:
+                event.parent = open_events[-1]
+                event.parent.children_us += event.end - event.start
+            open_events.append(event)
+
+
+def _link_backward_to_forward(events: list[Event], flows: dict) -> None:
+    """Join each backward op (and autograd's call of it) to the forward op that made it: a flow's ends sit at the
+    start of the two ops."""
+    starting = {}
+    for event in sorted(events, key=lambda e: e.start - e.end):  # the outermost of ops starting together wins
+        if event.cat in ("cpu_op", "Operator"):
+            starting.setdefault((event.thread, event.start), event)
+    for ends in flows.values():
+        if "s" in ends and "f" in ends:
+            forward, backward = starting.get(ends["s"]), starting.get(ends["f"])
+            if forward is not None and backward is not None and forward is not backward:
+                backward.forward = forward
+                if backward.parent is not None and backward.parent.name.startswith(EVALUATE):
+                    backward.parent.forward = forward  # autograd's call of the node: its hooks, its checks
+
+
+def category(event: Event) -> str:
+    """The event's category by the rules of the module doc (cached on the event)."""
+    if event.category is None:
+        event.category = _classify(event)
+    return event.category
+
+
+def _classify(event: Event) -> str:
+    in_matmul, node, seen = False, event, set()
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        name = node.name
+        if any(word in name.lower() for word in COMMUNICATION):
+            return "communication"
+        if name == "aten::linear":
+            return "matmul"
+        if "AccumulateGrad" in name:
+            return "optimizer"
+        if name == "aten::embedding":
+            return "elementwise"
+        in_matmul = in_matmul or name in MATMULS
+        if node.cat == "user_annotation" and name in REGION_CATEGORY:
+            return "matmul" if name == scopes.LOSS and in_matmul else REGION_CATEGORY[name]
+        node = node.forward or node.parent
+    return "other"
+
+
+def _main_thread_time(host: list[Event], thread: tuple, window: tuple[float, float]) -> dict[str, float]:
+    """CPU: each op's self time on the main thread within ``window``, by category; the rest is "host"."""
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for event in host:
+        if event.thread == thread and event.cat in ("cpu_op", "Operator") and window[0] <= event.start < window[1]:
+            totals[category(event)] += max(0.0, event.end - event.start - event.children_us)
+    totals["host"] = (window[1] - window[0]) - sum(totals.values())
+    return totals
+
+
+def _device_time(device: list[Event], host: list[Event], window: tuple[float, float]) -> dict[str, float]:
+    """CUDA: the window's device time by the category of the op that launched each kernel; overlaps counted once
+    (compute before communication), idle time as "host" (the device waits on it)."""
+    launches = {}  # a kernel's launch: the runtime call with its correlation id, else the op with its external id
+    for event in host:
+        if event.cat in ("cuda_runtime", "cuda_driver", "Runtime") and "correlation" in event.args:
+            launches[("correlation", event.args["correlation"])] = event
+        elif event.cat in ("cpu_op", "Operator") and "External id" in event.args:
+            launches[("External id", event.args["External id"])] = event
+    kinds = []
+    for kernel in device:
+        start, end = max(kernel.start, window[0]), min(kernel.end, window[1])
+        if end <= start:
+            continue
+        launcher = next((launches[key, kernel.args[key]] for key in ("correlation", "External id")
+                         if (key, kernel.args.get(key)) in launches), None)
+        if "nccl" in kernel.name.lower():
+            kind = "communication"
+        else:
+            kind = category(launcher) if launcher is not None else "other"
+        kinds.append((start, end, kind))
+    return _sweep(kinds, window)
+
+
+def _sweep(intervals: list[tuple[float, float, str]], window: tuple[float, float]) -> dict[str, float]:
+    """Split ``window`` at every interval's ends; each piece goes to one category running then (compute before
+    communication, then the interval that started first), or to "host" when none runs."""
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    points = sorted({window[0], window[1], *(p for s, e, _ in intervals for p in (s, e))})
+    starts = sorted(intervals)
+    active: list[tuple[int, float, float, str]] = []  # (communication?, start, end, kind), kept sorted
+    next_interval = 0
+    for left, right in zip(points, points[1:]):
+        while next_interval < len(starts) and starts[next_interval][0] <= left:
+            s, e, kind = starts[next_interval]
+            bisect.insort(active, (kind == "communication", s, e, kind))
+            next_interval += 1
+        active = [a for a in active if a[2] > left]
+        totals[active[0][3] if active else "host"] += right - left
+    return totals
