@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="directory for trace.json, profile.json and the run's files "
                                       "(default: RUN_DIR/profile)")
     parser.add_argument("--json", help="where profile.json goes (default: in --out)")
+    parser.add_argument("--top", type=int, default=3,
+                        help="print the ops (CPU) or kernels (CUDA) that take most of each category's time; the JSON "
+                             "keeps 10")
     parser.add_argument("--peak-tflops", type=float,
                         help="the device's peak, for MFU where the trainer does not know it (a CPU)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         close_process_group()
     if report is not None:
-        print(table(report))
+        print(table(report, args.top))
         path = Path(args.json or out / "profile.json")
         path.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {path} and {report['trace']}")
@@ -155,8 +158,8 @@ def build_report(trainer, args, trace: Path, figures: dict, timed_s: float, prof
         "step_ms": timed_s / args.steps * 1e3,  # without the profiler
         "profiled_step_ms": profiled_s / args.steps * 1e3,  # with it, by this tool's clock
         "counted": "device time (kernels)" if counted.device == "cuda" else "main thread's time (self CPU time)",
-        "categories": {key: {"label": labels[key], "ms_per_step": ms, "share": ms / traced_ms}
-                       for key, ms in per_step.items()},
+        "categories": {key: {"label": labels[key], "ms_per_step": ms, "share": ms / traced_ms,
+                             "top": counted.top(key, 10)} for key, ms in per_step.items()},
         "traced_step_ms": traced_ms,  # the categories' sum: the profiled steps by the trace's clock
         "throughput": figures,  # Throughput.report() over the timed steps: the trainer's own figures
         f"train_flops_per_{unit[:-1]}": trainer.throughput.flops_per_unit,
@@ -183,8 +186,8 @@ def forward_flops(cfg, torch) -> dict:
             for name, flops in model.flops_by_part(cfg.train.seq_len).items()}
 
 
-def table(report: dict) -> str:
-    """The report as the lines printed."""
+def table(report: dict, top: int) -> str:
+    """The report as the lines printed, with the ``top`` names of each category."""
     unit = next(key for key in report if key.endswith("_per_step")).removesuffix("_per_step")
     lines = [f"{report['config']} on {report['device']}, {report['world_size']} rank(s), ZeRO "
              f"{report['zero_stage']}, {report['precision']}: {report[f'{unit}_per_step']:,} {unit} a step; "
@@ -192,8 +195,10 @@ def table(report: dict) -> str:
              f"step time {report['step_ms']:.1f} ms; profiled {report['profiled_step_ms']:.1f} ms by the clock, "
              f"{report['traced_step_ms']:.1f} ms by the trace; counted: {report['counted']}",
              "", f"{'category':<48}{'ms/step':>10}{'share':>9}"]
-    for row in report["categories"].values():
+    for key, row in report["categories"].items():
         lines.append(f"{row['label']:<48}{row['ms_per_step']:>10.2f}{row['share']:>9.1%}")
+        if key != "host":  # its one name says what the label does
+            lines += [f"    {name[:70]:<70}{ms:>10.3f}" for name, ms in row["top"][:top] if ms > 0]
     lines.append(f"{'total':<48}{report['traced_step_ms']:>10.2f}{1:>9.1%}")
     figures = report["throughput"]
     flops = report[f"train_flops_per_{unit[:-1]}"]

@@ -3,7 +3,7 @@
 Every op the step runs is given one category by what it is and where it runs (the first rule that holds, walking
 from the op out through the ops and ``pretrain.scopes`` regions around it):
 
-- communication: a collective (``c10d::``, ``nccl``, ``gloo``, ``all_reduce``, ...), wherever it is called from;
+- communication: a collective (``c10d::``, ``nccl:``, ``gloo:`` ops, NCCL's kernels), wherever it is called from;
 - matmul: an ``nn.Linear`` (``aten::linear``: the mixers' projections, the feed-forward's, the LM head's), and a
   matmul inside the fused loss (the head's logits and gradients);
 - optimizer / ZeRO: the ``optimizer`` region (``engine.step``: clipping, Adam, ZeRO's partitions and gathers, the
@@ -45,8 +45,7 @@ CATEGORIES = {  # key: the row's label
 HOST_LABEL = {"cuda": "device waits on host", "cpu": "host, between ops (Python, data, bookkeeping)"}
 REGION_CATEGORY = {scopes.MIXER: "mixer", scopes.LOSS: "loss", scopes.NORM: "elementwise", scopes.FFN: "elementwise",
                    scopes.BLOCK: "elementwise", scopes.OPTIMIZER: "optimizer", scopes.BACKWARD: "optimizer"}
-COMMUNICATION = ("c10d::", "nccl", "gloo", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                 "broadcast", "all_to_all", "alltoall", "record_param_comms", "barrier")
+COMMUNICATION = ("c10d::", "_c10d_functional::", "nccl", "gloo:", "record_param_comms")  # ops', kernels' names
 MATMULS = {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function", "Operator", "Runtime"}
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
@@ -69,14 +68,20 @@ class Event:
 
 @dataclass
 class StepTime:
-    """The profiled steps' time: per category (µs, all steps), and the window the steps span."""
-    by_category: dict[str, float]
+    """The profiled steps' time (µs, all steps) per category and per op (CPU) or kernel (CUDA) name in each, and
+    the window the steps span."""
+    by_name: dict[str, dict[str, float]]  # category → name → µs
     window_us: float
     steps: int
     device: str  # "cuda" or "cpu": what was counted
 
     def ms_per_step(self) -> dict[str, float]:
-        return {key: value / self.steps / 1e3 for key, value in self.by_category.items()}
+        return {key: sum(names.values()) / self.steps / 1e3 for key, names in self.by_name.items()}
+
+    def top(self, category: str, count: int) -> list[tuple[str, float]]:
+        """The ``count`` names that take most of ``category``'s time: (name, ms per step)."""
+        names = sorted(self.by_name[category].items(), key=lambda item: -item[1])[:count]
+        return [(name, us / self.steps / 1e3) for name, us in names]
 
 
 def step_time(trace: dict) -> StepTime:
@@ -99,10 +104,10 @@ def step_time(trace: dict) -> StepTime:
     _nest(host)
     _link_backward_to_forward(host, flows)
     if device:
-        by_category = _device_time(device, host, window)
+        by_name = _device_time(device, host, window)
     else:
-        by_category = _main_thread_time(host, steps[0].thread, window)
-    return StepTime(by_category, window[1] - window[0], len(steps), "cuda" if device else "cpu")
+        by_name = _main_thread_time(host, steps[0].thread, window)
+    return StepTime(by_name, window[1] - window[0], len(steps), "cuda" if device else "cpu")
 
 
 def _nest(events: list[Event]) -> None:
@@ -150,7 +155,7 @@ def _classify(event: Event) -> str:
     while node is not None and id(node) not in seen:
         seen.add(id(node))
         name = node.name
-        if any(word in name.lower() for word in COMMUNICATION):
+        if name.startswith(COMMUNICATION):
             return "communication"
         if name == "aten::linear":
             return "matmul"
@@ -165,17 +170,18 @@ def _classify(event: Event) -> str:
     return "other"
 
 
-def _main_thread_time(host: list[Event], thread: tuple, window: tuple[float, float]) -> dict[str, float]:
-    """CPU: each op's self time on the main thread within ``window``, by category; the rest is "host"."""
-    totals = dict.fromkeys(CATEGORIES, 0.0)
+def _main_thread_time(host: list[Event], thread: tuple, window: tuple[float, float]) -> dict[str, dict[str, float]]:
+    """CPU: each op's self time on the main thread within ``window``, by category and name; the rest is "host"."""
+    totals = {key: defaultdict(float) for key in CATEGORIES}
     for event in host:
         if event.thread == thread and event.cat in ("cpu_op", "Operator") and window[0] <= event.start < window[1]:
-            totals[category(event)] += max(0.0, event.end - event.start - event.children_us)
-    totals["host"] = (window[1] - window[0]) - sum(totals.values())
+            totals[category(event)][event.name] += max(0.0, event.end - event.start - event.children_us)
+    counted = sum(sum(names.values()) for names in totals.values())
+    totals["host"]["between ops"] = (window[1] - window[0]) - counted
     return totals
 
 
-def _device_time(device: list[Event], host: list[Event], window: tuple[float, float]) -> dict[str, float]:
+def _device_time(device: list[Event], host: list[Event], window: tuple[float, float]) -> dict[str, dict[str, float]]:
     """CUDA: the window's device time by the category of the op that launched each kernel; overlaps counted once
     (compute before communication), idle time as "host" (the device waits on it)."""
     launches = {}  # a kernel's launch: the runtime call with its correlation id, else the op with its external id
@@ -191,27 +197,28 @@ def _device_time(device: list[Event], host: list[Event], window: tuple[float, fl
             continue
         launcher = next((launches[key, kernel.args[key]] for key in ("correlation", "External id")
                          if (key, kernel.args.get(key)) in launches), None)
-        if "nccl" in kernel.name.lower():
+        if kernel.name.startswith(COMMUNICATION):
             kind = "communication"
         else:
             kind = category(launcher) if launcher is not None else "other"
-        kinds.append((start, end, kind))
+        kinds.append((start, end, kind, kernel.name))
     return _sweep(kinds, window)
 
 
-def _sweep(intervals: list[tuple[float, float, str]], window: tuple[float, float]) -> dict[str, float]:
-    """Split ``window`` at every interval's ends; each piece goes to one category running then (compute before
-    communication, then the interval that started first), or to "host" when none runs."""
-    totals = dict.fromkeys(CATEGORIES, 0.0)
-    points = sorted({window[0], window[1], *(p for s, e, _ in intervals for p in (s, e))})
+def _sweep(intervals: list[tuple[float, float, str, str]], window: tuple[float, float]) -> dict[str, dict[str, float]]:
+    """Split ``window`` at the ends of every ``(start, end, category, name)``; each piece goes to one interval
+    running then (compute before communication, then the one that started first), or to "host" when none runs."""
+    totals = {key: defaultdict(float) for key in CATEGORIES}
+    points = sorted({window[0], window[1], *(p for s, e, *_ in intervals for p in (s, e))})
     starts = sorted(intervals)
-    active: list[tuple[int, float, float, str]] = []  # (communication?, start, end, kind), kept sorted
+    active: list[tuple] = []  # (communication?, start, end, category, name), kept sorted
     next_interval = 0
     for left, right in zip(points, points[1:]):
         while next_interval < len(starts) and starts[next_interval][0] <= left:
-            s, e, kind = starts[next_interval]
-            bisect.insort(active, (kind == "communication", s, e, kind))
+            s, e, kind, name = starts[next_interval]
+            bisect.insort(active, (kind == "communication", s, e, kind, name))
             next_interval += 1
         active = [a for a in active if a[2] > left]
-        totals[active[0][3] if active else "host"] += right - left
+        kind, name = active[0][3:] if active else ("host", "idle")
+        totals[kind][name] += right - left
     return totals

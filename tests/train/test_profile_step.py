@@ -92,8 +92,11 @@ def test_device_time_goes_to_the_launching_ops_category(load_tool):
     )
     counted = categories.step_time(trace)
     assert counted.device == "cuda" and counted.steps == 1 and counted.window_us == 100
-    assert counted.by_category == {"mixer": 25, "matmul": 10, "elementwise": 0, "loss": 0, "optimizer": 10,
-                                   "communication": 15, "other": 0, "host": 40}
+    assert counted.ms_per_step() == pytest.approx({"mixer": 0.025, "matmul": 0.010, "elementwise": 0, "loss": 0,
+                                                   "optimizer": 0.010, "communication": 0.015, "other": 0,
+                                                   "host": 0.040})
+    assert counted.top("mixer", 5) == [("bmm_kernel", pytest.approx(0.015)),
+                                       ("bmm_backward_kernel", pytest.approx(0.010))]
 
 
 def test_a_trace_without_steps_is_refused(load_tool):
