@@ -4,11 +4,13 @@ Every op the step runs is given one category by what it is and where it runs (th
 from the op out through the ops and ``pretrain.scopes`` regions around it):
 
 - communication: a collective (``c10d::``, ``nccl:``, ``gloo:`` ops, NCCL's kernels), wherever it is called from;
-- matmul: an ``nn.Linear`` (``aten::linear``: the mixers' projections, the feed-forward's, the LM head's), and a
-  matmul inside the fused loss (the head's logits and gradients);
+- matmul: an ``nn.Linear`` (``aten::linear``, or ZeRO-3's ``LinearFunctionForZeroStage3``: the mixers'
+  projections, the feed-forward's, the LM head's), and a matmul inside the fused loss (the head's logits and
+  gradients);
 - optimizer / ZeRO: the ``optimizer`` region (``engine.step``: clipping, Adam, ZeRO's partitions and gathers, the
-  gradient norm), gradient accumulation (``AccumulateGrad``, where ZeRO's gradient hooks run), and what
-  ``engine.backward`` does outside autograd's nodes (DeepSpeed's gradient reduction);
+  gradient norm), gradient accumulation (``AccumulateGrad``, where ZeRO's gradient hooks run), ZeRO-3's functions
+  around each module, and what ``engine.backward`` does outside autograd's nodes (DeepSpeed's gradient reduction).
+  ZeRO-3 gathers a module's weights in hooks no op names: their copies land in the region of the module;
 - the region the op runs in: ``mixer`` → mixer ops (feature maps, the attention or recurrence op, convolutions,
   gates, per-head norms aside), ``loss`` → loss, ``norm``, ``ffn`` (its activation) and ``block`` (the residual
   adds) → norms & elementwise; the embedding's lookup is elementwise too;
@@ -22,8 +24,9 @@ How time is counted depends on where the step runs:
 - CUDA: the device's time. Each kernel (memcpy and memset included) belongs to the op that launched it; where
   kernels overlap (communication on its own stream beside compute), the overlap is counted once, as the
   compute's, so "communication" is the exposed part. The time no kernel runs is "device waits on host".
-- CPU: the main thread's time. Each op counts its self time (without the ops inside it); the rest, "host,
-  between ops", is Python, the data loader, DeepSpeed's and autograd's bookkeeping.
+- CPU: the main thread's time. Each op counts its self time (without the ops inside it); the time it waits
+  outside its ops while gloo's threads run a collective is communication; the rest, "host, between ops", is
+  Python, the data loader, DeepSpeed's and autograd's bookkeeping.
 Either way the rows add up to the profiled steps' time, which ``profile_step`` checks against its own clock.
 """
 import bisect
@@ -46,6 +49,16 @@ HOST_LABEL = {"cuda": "device waits on host", "cpu": "host, between ops (Python,
 REGION_CATEGORY = {scopes.MIXER: "mixer", scopes.LOSS: "loss", scopes.NORM: "elementwise", scopes.FFN: "elementwise",
                    scopes.BLOCK: "elementwise", scopes.OPTIMIZER: "optimizer", scopes.BACKWARD: "optimizer"}
 COMMUNICATION = ("c10d::", "_c10d_functional::", "nccl", "gloo:", "record_param_comms")  # ops', kernels' names
+NAMED = {  # an op's (or its autograd call's) name decides before the region it runs in: name prefix → category
+    **dict.fromkeys(COMMUNICATION, "communication"),
+    "aten::linear": "matmul",
+    "LinearFunctionForZeroStage3": "matmul",  # ZeRO-3's own nn.Linear
+    "torch::autograd::AccumulateGrad": "optimizer",  # where ZeRO's gradient hooks run
+    "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad": "optimizer",
+    "PreBackwardFunctionForModule": "optimizer",  # ZeRO-3's hooks around a module, forward and backward
+    "PostBackwardFunctionModule": "optimizer",
+    "aten::embedding": "elementwise",  # and its backward, aten::embedding_dense_backward
+}
 MATMULS = {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function", "Operator", "Runtime"}
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
@@ -155,14 +168,9 @@ def _classify(event: Event) -> str:
     while node is not None and id(node) not in seen:
         seen.add(id(node))
         name = node.name
-        if name.startswith(COMMUNICATION):
-            return "communication"
-        if name == "aten::linear":
-            return "matmul"
-        if "AccumulateGrad" in name:
-            return "optimizer"
-        if name == "aten::embedding":
-            return "elementwise"
+        named = next((kind for prefix, kind in NAMED.items() if name.startswith(prefix)), None)
+        if named is not None:
+            return named
         in_matmul = in_matmul or name in MATMULS
         if node.cat == "user_annotation" and name in REGION_CATEGORY:
             return "matmul" if name == scopes.LOSS and in_matmul else REGION_CATEGORY[name]
@@ -171,14 +179,54 @@ def _classify(event: Event) -> str:
 
 
 def _main_thread_time(host: list[Event], thread: tuple, window: tuple[float, float]) -> dict[str, dict[str, float]]:
-    """CPU: each op's self time on the main thread within ``window``, by category and name; the rest is "host"."""
+    """CPU: each op's self time on the main thread within ``window``, by category and name; the rest is "host",
+    but for the time it waits on a collective that gloo's threads run (outside any op of the main thread)."""
     totals = {key: defaultdict(float) for key in CATEGORIES}
-    for event in host:
-        if event.thread == thread and event.cat in ("cpu_op", "Operator") and window[0] <= event.start < window[1]:
-            totals[category(event)][event.name] += max(0.0, event.end - event.start - event.children_us)
+    ops = [event for event in host if event.thread == thread and event.cat in ("cpu_op", "Operator")
+           and window[0] <= event.start < window[1]]
+    for event in ops:
+        totals[category(event)][event.name] += max(0.0, event.end - event.start - event.children_us)
     counted = sum(sum(names.values()) for names in totals.values())
-    totals["host"]["between ops"] = (window[1] - window[0]) - counted
+    between_ops = _outside(_merged((e.start, e.end) for e in ops), window)
+    in_flight = _merged((e.start, e.end) for e in host if e.thread != thread and e.name.startswith("gloo:"))
+    waiting = _overlap(between_ops, in_flight)
+    if waiting:
+        totals["communication"]["waiting for gloo"] = waiting
+    totals["host"]["between ops"] = (window[1] - window[0]) - counted - waiting
     return totals
+
+
+def _merged(intervals) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals, as sorted disjoint ones."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(start, end) for start, end in out]
+
+
+def _outside(merged: list[tuple[float, float]], window: tuple[float, float]) -> list[tuple[float, float]]:
+    """The parts of ``window`` that no interval of ``merged`` covers."""
+    gaps, at = [], window[0]
+    for start, end in merged:
+        if start > at:
+            gaps.append((at, min(start, window[1])))
+        at = max(at, end)
+    return gaps + ([(at, window[1])] if at < window[1] else [])
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """The length two unions of disjoint sorted intervals share."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _device_time(device: list[Event], host: list[Event], window: tuple[float, float]) -> dict[str, dict[str, float]]:

@@ -99,6 +99,26 @@ def test_device_time_goes_to_the_launching_ops_category(load_tool):
                                        ("bmm_backward_kernel", pytest.approx(0.010))]
 
 
+def test_cpu_time_is_each_ops_self_time_and_waiting_on_gloo_is_communication(load_tool):
+    """CPU: the main thread's ops by their self time (an op inside another counts once), the time outside its ops
+    while gloo's thread runs a collective as communication, the rest as host."""
+    trace = _trace(
+        ("X", "user_annotation", "ProfilerStep#1", 1, 0, 100, {}),
+        ("X", "user_annotation", "mixer", 1, 10, 30, {}),
+        ("X", "cpu_op", "aten::bmm", 1, 12, 18, {}),
+        ("X", "cpu_op", "aten::copy_", 1, 14, 6, {}),
+        ("X", "cpu_op", "aten::linear", 1, 30, 8, {}),
+        ("X", "cpu_op", "c10d::allreduce_", 1, 50, 2, {}),
+        ("X", "user_annotation", "gloo:all_reduce", 9, 50, 20, {}),
+    )
+    counted = load_tool("step_categories").step_time(trace)
+    assert counted.device == "cpu"
+    assert counted.ms_per_step() == pytest.approx({"mixer": 0.018, "matmul": 0.008, "elementwise": 0, "loss": 0,
+                                                   "optimizer": 0, "communication": 0.020, "other": 0,
+                                                   "host": 0.054})
+    assert counted.top("mixer", 5) == [("aten::bmm", pytest.approx(0.012)), ("aten::copy_", pytest.approx(0.006))]
+
+
 def test_a_trace_without_steps_is_refused(load_tool):
     with pytest.raises(ValueError, match="ProfilerStep"):
         load_tool("step_categories").step_time(_trace(("X", "cpu_op", "aten::mm", 1, 0, 5, {})))
