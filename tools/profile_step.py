@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def profile(trainer, args, out: Path) -> dict | None:
-    """Warm up, time, then profile the trainer's steps; on rank 0 the report (None elsewhere)."""
+    """Warm up, time, then profile the trainer's steps; on rank 0 the report (None elsewhere). The Chrome trace is
+    written where the profiler stops, after the last profiled step's clock is read."""
     from torch.profiler import ProfilerActivity, schedule
     from torch.profiler import profile as torch_profile
 
@@ -96,8 +97,6 @@ def profile(trainer, args, out: Path) -> dict | None:
     profiler = (torch_profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=args.steps),
                               on_trace_ready=lambda done: done.export_chrome_trace(str(trace)))
                 if main else contextlib.nullcontext(_NoProfiler()))
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
     with trainer.stepping() as (stop, batches):
         def step():
             if trainer.step(stop, batches):
@@ -107,12 +106,10 @@ def profile(trainer, args, out: Path) -> dict | None:
             step()
         sync(device)
         trainer.throughput.restart()
-        start = time.perf_counter()
         for _ in range(args.steps):
             step()
         sync(device)
-        timed_s = time.perf_counter() - start
-        figures = trainer.throughput.report()
+        figures = trainer.throughput.report()  # the trainer's own figures, over the timed steps
         with profiler as prof:
             step()  # the profiler's warm-up
             sync(device)
@@ -126,7 +123,7 @@ def profile(trainer, args, out: Path) -> dict | None:
                 prof.step()
     if not main:
         return None
-    return build_report(trainer, args, trace, figures, timed_s, profiled_s)
+    return build_report(trainer, args, trace, figures, profiled_s)
 
 
 class _NoProfiler:
@@ -136,7 +133,7 @@ class _NoProfiler:
         pass
 
 
-def build_report(trainer, args, trace: Path, figures: dict, timed_s: float, profiled_s: float) -> dict:
+def build_report(trainer, args, trace: Path, figures: dict, profiled_s: float) -> dict:
     """The figures of ``profile.json``: the setting, step times, categories, throughput, FLOPs and MFU."""
     import torch
     from step_categories import CATEGORIES, HOST_LABEL, step_time
@@ -155,7 +152,7 @@ def build_report(trainer, args, trace: Path, figures: dict, timed_s: float, prof
         "seq_len": cfg.train.seq_len, "micro_batch_size": cfg.train.micro_batch_size,
         "grad_accum_steps": cfg.train.grad_accum_steps, f"{unit}_per_step": trainer.units_per_step,
         "warmup": args.warmup, "steps": args.steps,
-        "step_ms": timed_s / args.steps * 1e3,  # without the profiler
+        "step_ms": trainer.units_per_step / figures[f"train/{unit}_per_s"] * 1e3,  # without the profiler
         "profiled_step_ms": profiled_s / args.steps * 1e3,  # with it, by this tool's clock
         "counted": "device time (kernels)" if counted.device == "cuda" else "main thread's time (self CPU time)",
         "categories": {key: {"label": labels[key], "ms_per_step": ms, "share": ms / traced_ms,

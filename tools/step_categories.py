@@ -27,7 +27,7 @@ How time is counted depends on where the step runs:
 - CPU: the main thread's time. Each op counts its self time (without the ops inside it); the time it waits
   outside its ops while gloo's threads run a collective is communication; the rest, "host, between ops", is
   Python, the data loader, DeepSpeed's and autograd's bookkeeping.
-Either way the rows add up to the profiled steps' time, which ``profile_step`` checks against its own clock.
+Either way the rows add up to the profiled steps' time, which ``profile_step`` prints beside its own clock's.
 """
 import bisect
 from collections import defaultdict
