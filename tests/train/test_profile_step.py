@@ -1,5 +1,6 @@
 """tools/profile_step.py: a real run's steps under the profiler, their time by category (tools/step_categories.py)."""
 import json
+import os
 import subprocess
 
 import pytest
@@ -17,7 +18,8 @@ def test_a_tiny_runs_step_is_accounted_for_by_category(lm_data, tmp_path):
     overrides = [o for o in tiny_overrides(lm_data, tmp_path / "run") if not o.startswith("deepspeed.zero_stage")]
     done = subprocess.run([PYTHON, "tools/profile_step.py", "--config", "configs/tiny_lm.yaml", "--steps", "2",
                            "--warmup", "1", "--out", str(tmp_path / "profile"), "--peak-tflops", "1", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "profile" / "profile.json").read_text())
     trace = json.loads((tmp_path / "profile" / "trace.json").read_text())
