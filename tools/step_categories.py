@@ -119,7 +119,7 @@ def step_time(trace: dict) -> StepTime:
     if device:
         by_name = _device_time(device, host, window)
     else:
-        by_name = _main_thread_time(host, steps[0].thread, window)
+        by_name = _main_thread_time(host, _main_thread(host, window), window)
     return StepTime(by_name, window[1] - window[0], len(steps), "cuda" if device else "cpu")
 
 
@@ -176,6 +176,16 @@ def _classify(event: Event) -> str:
             return "matmul" if name == scopes.LOSS and in_matmul else REGION_CATEGORY[name]
         node = node.forward or node.parent
     return "other"
+
+
+def _main_thread(host: list[Event], window: tuple[float, float]) -> tuple:
+    """The thread that runs the step: the one whose ops take most of the window (kineto may record the step's
+    marks on a thread of their own)."""
+    busy = defaultdict(float)
+    for event in host:
+        if event.cat in ("cpu_op", "Operator") and window[0] <= event.start < window[1]:
+            busy[event.thread] += event.end - event.start - event.children_us
+    return max(busy, key=busy.get) if busy else None
 
 
 def _main_thread_time(host: list[Event], thread: tuple, window: tuple[float, float]) -> dict[str, dict[str, float]]:
