@@ -48,13 +48,14 @@ CATEGORIES = {  # key: the row's label
 HOST_LABEL = {"cuda": "device waits on host", "cpu": "host, between ops (Python, data, bookkeeping)"}
 REGION_CATEGORY = {scopes.MIXER: "mixer", scopes.LOSS: "loss", scopes.NORM: "elementwise", scopes.FFN: "elementwise",
                    scopes.BLOCK: "elementwise", scopes.OPTIMIZER: "optimizer", scopes.BACKWARD: "optimizer"}
+EVALUATE = "autograd::engine::evaluate_function: "  # autograd's call of a backward node
 COMMUNICATION = ("c10d::", "_c10d_functional::", "nccl", "gloo:", "record_param_comms")  # ops', kernels' names
 NAMED = {  # an op's (or its autograd call's) name decides before the region it runs in: name prefix → category
     **dict.fromkeys(COMMUNICATION, "communication"),
     "aten::linear": "matmul",
     "LinearFunctionForZeroStage3": "matmul",  # ZeRO-3's own nn.Linear
     "torch::autograd::AccumulateGrad": "optimizer",  # where ZeRO's gradient hooks run
-    "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad": "optimizer",
+    EVALUATE + "torch::autograd::AccumulateGrad": "optimizer",
     "PreBackwardFunctionForModule": "optimizer",  # ZeRO-3's hooks around a module, forward and backward
     "PostBackwardFunctionModule": "optimizer",
     "aten::embedding": "elementwise",  # and its backward, aten::embedding_dense_backward
@@ -63,7 +64,6 @@ MATMULS = {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbm
 HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function", "Operator", "Runtime"}
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
 STEP_PREFIX = "ProfilerStep#"
-EVALUATE = "autograd::engine::evaluate_function: "
 
 
 class Event:
