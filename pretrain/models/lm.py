@@ -10,6 +10,7 @@ from ..attention import build_mixer, mixer_options
 from ..attention.norm import RMSNorm
 from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
+from ..scopes import BLOCK, MIXER, scope
 from .layers import SwiGLU, init_weights, swiglu_hidden
 from .lm_head import LMHead
 from .mini_sequence import sliced
@@ -51,8 +52,11 @@ class Block(nn.Module):
         self.mini_sequence = mini_sequence
 
     def forward(self, x, cu_seqlens=None, position_ids=None):
-        x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
-        return sliced(self._ffn_residual, x, self.mini_sequence)
+        with scope(BLOCK):
+            normed = self.mixer_norm(x)
+            with scope(MIXER):
+                mixed = self.mixer(normed, cu_seqlens=cu_seqlens, position_ids=position_ids)
+            return sliced(self._ffn_residual, x + mixed, self.mini_sequence)
 
     def _ffn_residual(self, x):
         return x + self.ffn(self.ffn_norm(x))
@@ -151,8 +155,18 @@ class CausalLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""
-        blocks = sum(block.mixer.flops_per_token(seq_len) + block.ffn.flops_per_token() for block in self.layers)
-        return blocks + 2 * self.lm_head.in_features * self.lm_head.out_features
+        return sum(self.flops_by_part(seq_len).values())
+
+    def flops_by_part(self, seq_len: int) -> dict[str, float]:
+        """``flops_per_token`` by part: the layers of each mixer class together (its ``flops_per_token`` says what
+        it counts), the feed-forwards, the LM head. The embedding is a lookup: no FLOPs."""
+        parts: dict[str, float] = {}
+        for block in self.layers:
+            name = type(block.mixer).__name__
+            parts[name] = parts.get(name, 0.0) + block.mixer.flops_per_token(seq_len)
+        parts["SwiGLU"] = sum(block.ffn.flops_per_token() for block in self.layers)
+        parts["LMHead"] = 2.0 * self.lm_head.in_features * self.lm_head.out_features
+        return parts
 
 
 def build_lm(model_cfg: ModelConfig) -> CausalLM:

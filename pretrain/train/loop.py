@@ -29,6 +29,7 @@ from pretrain.distributed import (
 )
 from pretrain.distributed.engine import reapply_lr_schedule, step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
+from pretrain.scopes import BACKWARD, scope
 from pretrain.tasks import build_task
 
 from . import checkpoint, run_lock
@@ -86,7 +87,8 @@ def train_step(engine, task, batches, world: World, accum: int, stop: StopReques
         if micro > 0:
             loss = _mean_loss(engine, task, next(batches), world.device)
         total += loss.detach()
-        engine.backward(loss)
+        with scope(BACKWARD):
+            engine.backward(loss)
         grad_norm = step_with_grad_norm(engine)
     return StepResult(total / accum, grad_norm, bool(stopping))
 
@@ -103,12 +105,14 @@ def _mean_over_ranks(value: torch.Tensor, world: World) -> float:
 
 
 class Throughput:
-    """Units (tokens, images) per second and achieved FLOP/s over the training steps since the last report (pauses
-    are not counted)."""
+    """Units (tokens, images) per second, achieved FLOP/s and MFU over the training steps since the last report
+    (pauses are not counted). The FLOPs are the model's (``Task.train_flops_per_unit``: 3× a forward, recomputation
+    never counted); MFU divides them by ``peak_flops``, the device's peak (None: not reported)."""
 
-    def __init__(self, unit: str, units_per_step: int, train_flops_per_unit: float, world_size: int):
+    def __init__(self, unit: str, units_per_step: int, train_flops_per_unit: float, world_size: int,
+                 peak_flops: float | None):
         self.unit, self.units_per_step, self.flops_per_unit = unit, units_per_step, train_flops_per_unit
-        self.world_size = world_size
+        self.world_size, self.peak_flops = world_size, peak_flops
         self.restart()
 
     def restart(self) -> None:
@@ -118,8 +122,11 @@ class Throughput:
         per_s = self.steps * self.units_per_step / (time.perf_counter() - self.start)
         self.restart()
         per_rank = per_s / self.world_size
-        return {f"train/{self.unit}_per_s": per_s, f"train/{self.unit}_per_s_per_rank": per_rank,
-                "train/flops_per_s_per_rank": self.flops_per_unit * per_rank}
+        values = {f"train/{self.unit}_per_s": per_s, f"train/{self.unit}_per_s_per_rank": per_rank,
+                  "train/flops_per_s_per_rank": self.flops_per_unit * per_rank}
+        if self.peak_flops:
+            values["train/mfu"] = values["train/flops_per_s_per_rank"] / self.peak_flops
+        return values
 
 
 class Trainer:
@@ -159,8 +166,8 @@ class Trainer:
             self.writer.print(lock_note)
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
-        self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
-        self.peak_flops = device_peak_flops(self.world.device)
+        self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size,
+                                     device_peak_flops(self.world.device))
 
     def resume(self) -> None:
         """Continue from the latest checkpoint if there is one: weights, optimizer, LR, data, RNG, counters. Tags an
@@ -252,10 +259,7 @@ class Trainer:
                   "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.task.epoch,
                   f"train/{self.task.unit}_seen": self.counters.units_seen,
                   "train/nonfinite_skipped": self.counters.nonfinite_skipped, **self.task.train_metrics()}
-        mfu = ""
-        if self.peak_flops:
-            values["train/mfu"] = values["train/flops_per_s_per_rank"] / self.peak_flops
-            mfu = f" | MFU {values['train/mfu']:.1%}"
+        mfu = f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else ""
         self.writer.scalars(self.counters.step, values)
         self.writer.print(f"step {self.counters.step}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                           f"grad {grad_norm:.3f} | {values[f'train/{self.task.unit}_per_s']:,.0f} {self.task.unit}/s | "
@@ -263,9 +267,17 @@ class Trainer:
                           f"epoch {self.task.epoch}")
 
     def run(self) -> bool:
-        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save). The
-        data loader's workers are stopped on the way out, error or not: left running, a worker kept a failed run
-        waiting on it at exit."""
+        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save)."""
+        with self.stepping() as (stop, batches):
+            stopped = self._steps(stop, batches)
+        self.writer.close()
+        return stopped
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """``(stop, batches)`` to call ``step`` with: the signals that ask for a stop are watched, and the data
+        loader's workers are stopped on the way out, error or not (left running, a worker kept a failed run waiting
+        on it at exit)."""
         self.writer.print(f"step {self.counters.step}: opening the training shards "
                           f"(data.num_workers={self.cfg.data.num_workers})")
         with StopRequest() as stop:
@@ -273,27 +285,31 @@ class Trainer:
                 loader = self.task.batches()
                 first = next(loader)
             with contextlib.closing(loader):
-                stopped = self._steps(stop, chain([first], loader))
-        self.writer.close()
-        return stopped
+                yield stop, chain([first], loader)
+
+    def step(self, stop: StopRequest, batches) -> bool:
+        """One training step and its bookkeeping: counters, throughput, a non-finite step counted, the metrics
+        logged every ``log.every`` steps. Returns whether a rank asked to stop."""
+        cfg, c = self.cfg, self.counters
+        lr = self.engine.get_lr()[0]
+        loss, grad_norm, stopping = train_step(self.engine, self.task, batches, self.world, cfg.train.grad_accum_steps,
+                                               stop)
+        c.step += 1
+        c.units_seen += self.units_per_step
+        self.throughput.steps += 1
+        if loss is None or not math.isfinite(grad_norm):
+            self.count_bad_step(loss, grad_norm)
+        else:
+            c.nonfinite_in_a_row = 0
+            if c.step % cfg.log.every == 0:
+                self.log(loss, grad_norm, lr)
+        return stopping
 
     def _steps(self, stop: StopRequest, batches) -> bool:
         cfg, c, world = self.cfg, self.counters, self.world
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
-            lr = self.engine.get_lr()[0]
-            loss, grad_norm, stopping = train_step(self.engine, self.task, batches, world, cfg.train.grad_accum_steps,
-                                                   stop)
-            c.step += 1
-            c.units_seen += self.units_per_step
-            self.throughput.steps += 1
-            if loss is None or not math.isfinite(grad_norm):
-                self.count_bad_step(loss, grad_norm)
-            else:
-                c.nonfinite_in_a_row = 0
-                if c.step % cfg.log.every == 0:
-                    self.log(loss, grad_norm, lr)
-
+            stopping = self.step(stop, batches)
             validating = self.task.has_validation and c.step % cfg.log.val_every == 0
             saving = c.step % cfg.checkpoint.every == 0 or c.step == cfg.train.max_steps or stopping
             if validating:
