@@ -7,8 +7,8 @@ variant starts out as AFT-simple.
 
 Decoding (``step``, after ``prefill`` reads the prompt in parallel): ``aft_local`` and ``aft_simple`` carry a
 constant-size state — the prefix sums ``(Σ e^{K−m} V, Σ e^{K−m}, m)`` plus, for the window, the last ``window − 1``
-keys and values. ``aft_full``'s bias pairs every two positions, so its state is the keys and values so far,
-bounded by ``max_seq_len``.
+keys and values. ``aft_full``'s bias pairs every two positions, so its state is the keys and values so far and
+their number, bounded by ``max_seq_len``.
 """
 import torch
 from torch import nn
