@@ -83,16 +83,21 @@ class SoftmaxAttention(Mixer):
         """One token ``[B, C]`` → ``(y_t, state)``; the state is a KV cache: ``(keys, values, position)``.
 
         The cache grows by one key and value per token (``[B, t, H, D]``); the new token's q and k are rotated at
-        its ``position``, so decoding matches ``forward`` over the whole sequence.
+        its ``position``, so decoding matches ``forward`` over the whole sequence. ``position`` is an int, or each
+        row's own ``[B]`` for prompts of different lengths: a row's keys are then its last ``position + 1``, the
+        ones before them left padding (``pretrain.models.left_padded``), masked.
         """
         if not self.causal:
             raise ValueError("step decodes causally; this SoftmaxAttention was built with causal=False")
         batch = x_t.shape[0]
         past_k, past_v, position = state if state is not None else (None, None, 0)
-        q, k, v = self._qkv(x_t[:, None], torch.full((batch, 1), position, device=x_t.device, dtype=torch.long))
+        positions = torch.as_tensor(position, device=x_t.device).expand(batch)
+        q, k, v = self._qkv(x_t[:, None], positions[:, None])
         keys = k if past_k is None else torch.cat([past_k, k], dim=1)
         values = v if past_v is None else torch.cat([past_v, v], dim=1)
         scores = torch.einsum("bhd,bshd->bhs", q[:, 0], keys) * self.head_dim ** -0.5
+        pads = torch.arange(keys.shape[1], device=x_t.device) < keys.shape[1] - 1 - positions[:, None]
+        scores = scores.masked_fill(pads[:, None], float("-inf"))
         out = torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), values)
         return self.o_proj(out.reshape(batch, self.dim)), (keys, values, position + 1)
 

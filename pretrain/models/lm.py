@@ -12,6 +12,7 @@ from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
 from ..scopes import BLOCK, MIXER, scope
 from .layers import SwiGLU, init_weights, swiglu_hidden
+from .left_padded import prefill_left_padded
 from .lm_head import LMHead
 from .mini_sequence import sliced
 
@@ -126,18 +127,26 @@ class CausalLM(nn.Module):
             x, states[i] = block.step(x, states[i])
         return self.lm_head(self.norm(x)), states
 
-    def prefill(self, input_ids):
-        """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``."""
-        logits, states = self.forward_with_state(input_ids, last=1)
+    def prefill(self, input_ids, starts=None):
+        """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``;
+        ``starts [B]``: prompts of different lengths, left-padded, row b's from column ``starts[b]``."""
+        logits, states = self.forward_with_state(input_ids, last=1, starts=starts)
         return logits[:, 0], states
 
-    def forward_with_state(self, input_ids, states=None, *, last: int = 0):
+    def forward_with_state(self, input_ids, states=None, *, last: int = 0, starts=None):
         """``input_ids [B, T]`` continuing from ``states`` (None: from the start) → ``(logits, states after them)``;
         the logits of every token ``[B, T, V]``, or of the ``last`` few.
 
         From the start the tokens go through each mixer's parallel ``prefill``; after a state, one at a time through
         ``step``, which every mixer has (decoding feeds one token at a time, so that is the path that counts).
+        ``starts [B]`` (from the start only): prompts of different lengths, row b's beginning at column ``starts[b]``
+        after left padding, each prefilled as if alone (``left_padded.py``; the pads' logits are zeros).
         """
+        if starts is not None:
+            if states is not None:
+                raise ValueError("starts (left-padded prompts) apply from the start only; a state goes on from each "
+                                 "row's own tokens")
+            return prefill_left_padded(self, input_ids, starts, last=last)
         x = self.embed(input_ids)
         if states is None:
             states = []
