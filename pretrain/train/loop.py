@@ -154,8 +154,9 @@ class Trainer:
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main,
                                     resume_step=checkpoint.tag_step(checkpoint.latest_tag(self.ckpt_dir)) or 0)
-        if lock_note:
-            self.writer.print(lock_note)
+        for note in (lock_note, self.schedule.warmup_notice()):
+            if note:
+                self.writer.print(note)
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
         self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
