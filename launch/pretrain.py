@@ -44,38 +44,52 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pretrain.config import ConfigError
+    from pretrain.exit_codes import CONFIG_ERROR, CORRUPT_SHARD, FAILED, FINISHED, PREEMPTED
     from pretrain.tasks.config_checks import load_run_config
 
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_run_config(args.config, args.overrides)
         if args.dry_run:
             from pretrain.estimate import estimate
 
-            world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+            world_size = args.world_size or world_size
             print(json.dumps(estimate(cfg, world_size)))
-            return 0
+            return FINISHED
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        if rank == 0:  # every rank reads the same config: said once
+            print(f"config error: {err}", file=sys.stderr)
+        return CONFIG_ERROR
 
     from pretrain.data import ShardError
     from pretrain.distributed.build_locks import StaleLockError
     from pretrain.train import CheckpointError, NonFiniteLossError, RankLostError, train
-    from pretrain.train.preemption import PREEMPTED
+    from pretrain.train.loop import CorruptShardStop
     from pretrain.train.run_lock import RunDirLockedError
 
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    on_rank = f" on rank {rank}" if world_size > 1 else ""
     try:
         stopped = train(cfg)
     except (ConfigError, StaleLockError, RunDirLockedError) as err:  # every rank finds the same: said once
         if rank == 0:
             print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
-        return 1
+        return CONFIG_ERROR if isinstance(err, ConfigError) else FAILED
+    except CorruptShardStop as err:  # every rank saved and stops; the rank that met the shard names it
+        if err.met:
+            print(f"error{on_rank}: {err}", file=sys.stderr)
+        return CORRUPT_SHARD
     except (NonFiniteLossError, RankLostError, ShardError, CheckpointError, OSError) as err:  # one line, no traceback
-        print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}{_where_full(err, cfg.run.dir)}",
-              file=sys.stderr)
-        return 1
-    return PREEMPTED if stopped else 0  # a stop signal: saved, not finished (a scheduler requeues on it)
+        print(f"error{on_rank}: {err}{_where_full(err, cfg.run.dir)}", file=sys.stderr)
+        return FAILED
+    return PREEMPTED if stopped else FINISHED  # a stop signal: saved, not finished (a scheduler requeues on it)
+
+
+def leave_exit_code(code: int) -> None:
+    """Leave this rank's exit status where launch/torchrun.py reads it after a signal (its agent's own account of
+    the ranks is lost then)."""
+    directory = os.environ.get("PRETRAIN_EXIT_CODES_DIR")
+    if directory and os.path.isdir(directory):
+        Path(directory, os.environ.get("RANK", "0")).write_text(str(code))
 
 
 def leave(code: int):
@@ -90,7 +104,9 @@ def leave(code: int):
 
 if __name__ == "__main__":
     code = main()
-    trained = sys.modules.get("pretrain.train.preemption")  # imported when a run was set up
-    if trained is not None and code in (0, trained.PREEMPTED):  # finished, or stopped and saved; errors exit as usual
+    leave_exit_code(code)
+    codes = sys.modules.get("pretrain.exit_codes")
+    trained = "pretrain.train.loop" in sys.modules  # a run was set up (its process group joined and left)
+    if trained and code in (codes.FINISHED, codes.PREEMPTED, codes.CORRUPT_SHARD):  # ended as planned (saved)
         leave(code)
     sys.exit(code)

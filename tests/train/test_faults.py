@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from pretrain.data import TokenLoader
+from pretrain.exit_codes import CORRUPT_SHARD
 from pretrain.train import checkpoint
 
-from launching import PYTHON, REPO, read_metrics, tiny_overrides
+from launching import PYTHON, REPO, launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.dist
 PROMPTLY = 90  # seconds a failing run may take to end (DeepSpeed's start-up included)
@@ -174,9 +175,11 @@ def test_a_full_disk_for_the_metrics_ends_the_run_naming_the_run_directory(lm_da
     assert f"File too large, writing under {run} (" in error[0] and "MiB free there" in error[0], error
 
 
-def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data, tmp_path):
-    """The third shard this rank reads is truncated: the worker meets it after the first steps and checkpoints; the
-    run must end at once, non-zero, with one line naming the shard, and keep its checkpoints."""
+def test_a_corrupt_shard_met_mid_run_saves_the_last_step_and_names_the_key_that_skips_it(lm_data, tmp_path):
+    """The third shard this rank reads is truncated: the worker meets it mid-run, long after the last periodic
+    checkpoint. The run must save the last completed step (nothing was, before: the steps since the last checkpoint
+    were lost), end at once with ``CORRUPT_SHARD`` and one line naming the shard and ``data.skip_corrupt``; the
+    relaunch with it leaves the shard out, counts it, and trains exactly as a run that skipped it from the start."""
     data = tmp_path / "shards"
     shutil.copytree(Path(lm_data["train_shards"]).parent, data)
     pattern = str(data / "shard-{000000..000099}.tar")
@@ -184,19 +187,32 @@ def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data,
     corrupt = Path(order[2])
     corrupt.write_bytes(corrupt.read_bytes()[:5000])
     run = tmp_path / "run"
-    process = start(tiny_overrides(lm_data, run, data__train_shards=pattern, data__num_workers=1,
-                                   train__max_steps=10_000, checkpoint__every=2, log__val_every=10_000))
+    settings = dict(data__train_shards=pattern, data__num_workers=1, checkpoint__every=1000, log__val_every=1000,
+                    schedule__name="constant")  # constant: a changed max_steps leaves the LR as it was
+    process = start(tiny_overrides(lm_data, run, train__max_steps=1000, **settings))
     output = finish(process, timeout=PROMPTLY + 60)
-    assert process.returncode == 1, output[-4000:]
+    assert process.returncode == CORRUPT_SHARD, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     error = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and corrupt.name in error[0], output[-4000:]
     assert output.startswith("joining 1 rank\n"), output[:2000]  # before anything else; the op is built already
     assert "step 0: opening the training shards (data.num_workers=1)" in output, output[-4000:]
     assert "built successfully" not in output and "Setting accelerator" not in output, output[:2000]
-    assert max(read_metrics(run)) >= 4  # it failed mid-run, after steps and checkpoints
     ckpts = run / "checkpoints"
-    assert checkpoint.partial_tags(ckpts) == [] and checkpoint.latest_tag(ckpts) == complete_tags(ckpts)[-1]
+    saved = max(read_metrics(run))  # the last step trained, before the one whose batch was unreadable
+    assert saved >= 4 and checkpoint.latest_tag(ckpts) == checkpoint.tag_for(saved) == complete_tags(ckpts)[-1]
+    assert f"at step {saved + 1}; saved step {saved} ({ckpts / checkpoint.tag_for(saved)}). Relaunch the same " \
+           "command with data.skip_corrupt=true to leave the shard out" in error[0], error[0]
+
+    steps = saved + 3
+    resumed = launch(tiny_overrides(lm_data, run, train__max_steps=steps, data__skip_corrupt="true", **settings))
+    assert f"resumed from {ckpts / checkpoint.tag_for(saved)}" in resumed.stdout, resumed.stdout[-3000:]
+    reference = tmp_path / "skipping"
+    launch(tiny_overrides(lm_data, reference, train__max_steps=steps, data__skip_corrupt="true", **settings))
+    after, expected = read_metrics(run), read_metrics(reference)
+    assert [after[s]["train/loss"] for s in range(1, steps + 1)] == [expected[s]["train/loss"]
+                                                                     for s in range(1, steps + 1)]
+    assert after[saved]["train/skipped_shards"] == 0 and after[steps]["train/skipped_shards"] == 1
 
 
 def wchan(pid: int) -> str:

@@ -7,8 +7,8 @@ import signal
 import pytest
 from test_faults import complete_tags, finish, rank_pid, start, wait_for
 
+from pretrain.exit_codes import PREEMPTED
 from pretrain.train import checkpoint
-from pretrain.train.preemption import PREEMPTED
 
 from launching import read_metrics, tiny_overrides
 
