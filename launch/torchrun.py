@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for name in list(logging.Logger.manager.loggerDict):  # the agent's reports of the ranks' ends: they say it
         if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="pretrain-exit-codes-") as codes_dir:
         os.environ[EXIT_CODES_DIR] = codes_dir  # the ranks inherit it
         try:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.data import TokenLoader
-from pretrain.exit_codes import CORRUPT_SHARD
+from pretrain.exit_codes import CONFIG_ERROR, CORRUPT_SHARD
 from pretrain.train import checkpoint
 
 from launching import PYTHON, REPO, launch, read_metrics, tiny_overrides
@@ -28,9 +28,9 @@ def start(overrides: list[str], ranks: int = 1, launcher: str = "python") -> sub
     """launch/pretrain.py in a session of its own, output merged, as a user would start it."""
     if launcher == "python":
         argv = [PYTHON, "launch/pretrain.py"]
-    elif launcher == "torchrun":
-        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                "launch/pretrain.py"]
+    elif launcher in ("torchrun", "pretrain-torchrun"):  # torchrun's agent, or ours around it (launch/torchrun.py)
+        agent = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["launch/torchrun.py"]
+        argv = [PYTHON, *agent, "--standalone", f"--nproc_per_node={ranks}", "launch/pretrain.py"]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -320,7 +320,7 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "pretrain-torchrun"])
 def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm_data, tmp_path, launcher):
     """SIGKILL one of two ranks after the first checkpoint: the launcher must end the job, non-zero, within a bounded
     time, and the surviving rank say which rank died and which checkpoint a relaunch resumes from."""
@@ -340,6 +340,24 @@ def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm
     assert len(said) == 1, output[-4000:]
     assert f"rank 1 (pid {victim}) died at step" in said[0], said
     assert f"relaunch the same command to resume from {ckpts / latest}" in said[0], said
+    if launcher == "pretrain-torchrun":  # the killed rank named in one line, and a shell's status for its signal
+        assert process.returncode == 128 + signal.SIGKILL, output[-4000:]
+        assert f"rank 1 (pid {victim}) was killed by SIGKILL" in output.splitlines(), output[-4000:]
+        assert "ChildFailedError" not in output and "Traceback" not in output, output[-4000:]
+
+
+def test_a_config_error_under_torchrun_is_said_once_and_under_pretrain_torchrun_exits_2(lm_data, tmp_path):
+    """Every rank finds the same config error: rank 0 says it, once (each rank did, each followed by torchrun's
+    35-42-line report); launch/torchrun.py prints nothing else and exits with the ranks' status, not 1."""
+    overrides = tiny_overrides(lm_data, tmp_path / "run", model__n_heads=3)
+    said = "config error: model.n_heads: model.dim 64 must be divisible by model.n_heads 3"
+    plain = start(overrides, ranks=2, launcher="torchrun")
+    output = finish(plain)
+    assert plain.returncode == 1 and output.count(said) == 1, output[-4000:]
+    ours = start(overrides, ranks=2, launcher="pretrain-torchrun")
+    output = finish(ours)
+    assert ours.returncode == CONFIG_ERROR, output[-4000:]
+    assert [line for line in output.splitlines() if line.strip()] == [f"{said} (got 3)"], output[-4000:]
 
 
 def test_a_build_lock_is_stale_only_when_no_process_holds_it(tmp_path):
