@@ -52,7 +52,8 @@ class NonFiniteLossError(RuntimeError):
 
 class CorruptShardStop(RuntimeError):
     """A rank met a corrupt training shard: every rank saved the last completed step and stops (exit
-    ``CORRUPT_SHARD``). ``met``: this rank met it, and its message names the shard and how to go on."""
+    ``CORRUPT_SHARD``). ``met``: this rank is the first that met the shard, and its message names it and how to go
+    on."""
 
     def __init__(self, message: str, met: bool):
         super().__init__(message)
@@ -268,8 +269,11 @@ class Trainer:
         saving = self.counters.step > (checkpoint.tag_step(latest) or 0) and self.counters.nonfinite_in_a_row == 0
         if saving:
             self.save(data, rng)
-        message = self.corrupt_message(error, saved=saving) if error is not None else "another rank met a corrupt shard"
-        raise CorruptShardStop(message, met=error is not None)
+        errors = [None] * self.world.world_size  # the LM's replicas all read every shard: said once, by the first
+        dist.all_gather_object(errors, error and str(error))
+        if error is None or str(error) in errors[:self.world.rank]:
+            raise CorruptShardStop("another rank met a corrupt shard", met=False)
+        raise CorruptShardStop(self.corrupt_message(error, saved=saving), met=True)
 
     def corrupt_message(self, error: ShardError, saved: bool) -> str:
         """The corrupt shard, what was kept, and the key that leaves the shard out."""
