@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from pretrain.cli_help import HelpFormatter
+from pretrain.exit_codes import CONFIG_ERROR, CORRUPT_SHARD, FAILED, FINISHED, PREEMPTED
 
 
 def _where_full(err: Exception, run_dir: str) -> str:
@@ -44,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pretrain.config import ConfigError
-    from pretrain.exit_codes import CONFIG_ERROR, CORRUPT_SHARD, FAILED, FINISHED, PREEMPTED
     from pretrain.tasks.config_checks import load_run_config
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 def leave_exit_code(code: int) -> None:
     """Leave this rank's exit status where launch/torchrun.py reads it after a signal (its agent's own account of
     the ranks is lost then)."""
-    directory = os.environ.get("PRETRAIN_EXIT_CODES_DIR")
+    directory = os.environ.get("PRETRAIN_EXIT_CODES_DIR")  # launch/torchrun.py's EXIT_CODES_DIR
     if directory and os.path.isdir(directory):
         Path(directory, os.environ.get("RANK", "0")).write_text(str(code))
 
@@ -105,8 +105,7 @@ def leave(code: int):
 if __name__ == "__main__":
     code = main()
     leave_exit_code(code)
-    codes = sys.modules.get("pretrain.exit_codes")
     trained = "pretrain.train.loop" in sys.modules  # a run was set up (its process group joined and left)
-    if trained and code in (codes.FINISHED, codes.PREEMPTED, codes.CORRUPT_SHARD):  # ended as planned (saved)
+    if trained and code in (FINISHED, PREEMPTED, CORRUPT_SHARD):  # ended as planned, saved; errors exit as usual
         leave(code)
     sys.exit(code)
