@@ -27,6 +27,7 @@ def _command(script: str) -> Callable[[], None]:
 
 
 train = _command("launch/pretrain.py")
+torchrun = _command("launch/torchrun.py")
 eval_ppl = _command("tools/eval_ppl.py")
 eval_cls = _command("tools/eval_cls.py")
 generate = _command("tools/generate.py")

@@ -32,6 +32,8 @@ doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
 """
 
 
@@ -76,6 +78,8 @@ def test_lm_eval_loglikelihoods_equal_our_scoring(export, tmp_path):
          "--include_path", str(tmp_path), "--device", "cpu", "--batch_size", "4", "--log_samples",
          "--output_path", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # each metric without its aggregation and direction was a warning (README's task yaml gave four)
+    assert "is defined, but" not in result.stderr, result.stderr[-3000:]
     [samples] = (tmp_path / "out").glob("*/samples_local_mc_*.jsonl")
     [results] = (tmp_path / "out").glob("*/results_*.json")
 

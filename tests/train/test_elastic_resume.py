@@ -94,7 +94,7 @@ def test_a_changed_global_batch_is_said_moved_shards_resume_and_other_keys_are_r
     resumed = rewound(reference, tmp_path)
     for change, key in [({"model__dim": 32}, "model.dim"), ({"train__max_steps": 1}, "train.max_steps")]:
         result = launch(overrides(lm_data, resumed, **change), check=False)
-        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {key}: ")
     moved = tmp_path / "moved"  # the shards moved elsewhere (same manifest): the stream resumes from them
     shutil.copytree(lm_data["train_shards"].rsplit("/", 1)[0], moved)
