@@ -1,0 +1,238 @@
+"""The gated delta rule with its chunk-to-chunk scan in Triton (docs/MIXERS.md#deltanet, "Triton form").
+
+The WY/UT chunked form of ``chunk.py``, split as flash-linear-attention splits it: what has no state in it runs as
+batched PyTorch over every chunk at once (the per-chunk solve for W and U, the in-chunk attention, the output
+``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ``), and only the sequential part, the scan over chunks, is a kernel:
+
+    forward, chunk after chunk:   Δ = U − W S,   S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ
+    backward, in reverse, G the gradient of the state leaving the chunk:
+        dΔ = dΔ_out + (K ⊙ e^{D_C − D}) G,   G ← dS_out + e^{D_C} G − Wᵀ dΔ
+
+(``dΔ_out``, ``dS_out``: what the output stage hands back for Δ and for the state entering the chunk). The rest of
+the scan's gradient is batched again: ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``,
+``d e^{D_C} = Σ S ⊙ G``; β's and g's gradients follow by autograd through the solve and the cumulative sum.
+
+Chunks start at each document's first token (packed documents are sequences of their own, as in the linear
+attention kernels): a document's last chunk is padded with tokens of β = 0, g = 0, k = q = v = 0, which write
+nothing, so no chunk holds two documents and the scan needs no masks. One program owns a (document, head, block
+of value channels) and carries its fp32 state ``[Dk, block]`` in registers; the scan's columns are independent.
+
+Memory: the whole op runs without autograd and again with it in backward (``ops/recompute.py``), so backward keeps
+only the inputs; during backward the per-chunk states (``T/C × Dk × Dv`` per head, fp32) and the UT temporaries
+exist for this op alone. Under ``TRITON_INTERPRET=1`` the kernels run on CPU; the tests hold them to ``chunk``.
+"""
+import os
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+
+from ..linear_attention.triton import _mm
+from ..precision import upcast
+from ..recompute import Recomputed
+
+MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registers
+VALUE_BLOCK = 64  # value channels per program
+
+
+@triton.jit
+def _tile_offsets(tile, ROWS: tl.constexpr, WIDTH: tl.constexpr, col, BR: tl.constexpr, BW: tl.constexpr):
+    """Offsets and mask of rows [0, ROWS) × columns [col, col + BW) of tile ``tile`` of a [tiles, ROWS, WIDTH]
+    tensor (a chunk's rows of one head, or a state)."""
+    r = tl.arange(0, BR)
+    c = col + tl.arange(0, BW)
+    offsets = tile * (ROWS * WIDTH) + r[:, None] * WIDTH + c[None, :]
+    return offsets, (r < ROWS)[:, None] & (c < WIDTH)[None, :]
+
+
+@triton.jit
+def _scan_forward_kernel(
+    w, u, handing, decay, initial, states, delta, final, first_chunk,
+    H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Over the chunks of one document and head: write the state entering each chunk, Δ = U − W S per token and
+    the state after the last chunk. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C} per chunk and head."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
+    v0 = i_v * BV
+    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_INITIAL:
+        S += tl.load(initial + state_at, mask=state_mask, other=0.0)
+    for c in range(c0, c1):
+        tile = c * H + i_h  # int64: the offsets are loaded as such
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        tl.store(states + at, S, mask=mask)
+        at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        d = tl.load(u + at_v, mask=mask_v, other=0.0) - _mm(tl.load(w + at_k, mask=mask_k, other=0.0), S, None,
+                                                             PRECISION)
+        tl.store(delta + at_v, d, mask=mask_v)
+        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
+        S = _mm(tl.trans(hands), d, S * tl.load(decay + tile), PRECISION)
+    tl.store(final + state_at, S, mask=state_mask)
+
+
+@triton.jit
+def _scan_backward_kernel(
+    w, handing, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
+    H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_FINAL_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The forward scan's adjoint, chunks in reverse: writes G (the gradient of the state leaving each chunk), the
+    total gradient of Δ per token, and G before the first chunk (the initial state's gradient)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
+    v0 = i_v * BV
+    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
+    G = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_FINAL_GRAD:
+        G += tl.load(d_final + state_at, mask=state_mask, other=0.0)
+    for i in range(c1 - c0):
+        tile = (c1 - 1 - i) * H + i_h
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        tl.store(grad_after + at, G, mask=mask)
+        at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
+        dd = _mm(hands, G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
+        tl.store(delta_grad + at_v, dd, mask=mask_v)
+        W = tl.load(w + at_k, mask=mask_k, other=0.0)
+        G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
+            - _mm(tl.trans(W), dd, None, PRECISION)
+    tl.store(d_initial + state_at, G, mask=state_mask)
+
+
+class _Scan(torch.autograd.Function):
+    """``(W, U, K ⊙ e^{D_C − D}, e^{D_C}, initial)`` → (the state entering each chunk, Δ, each document's final
+    state). Chunk tensors ``[n, H, C, *]`` (fp32, contiguous), ``decay [n, H]``, states ``[*, H, Dk, Dv]``."""
+
+    @staticmethod
+    def forward(ctx, w, u, handing, decay, initial, first_chunk, precision):
+        n, heads, size, dk = w.shape
+        dv, docs = u.shape[-1], first_chunk.numel() - 1
+        states = w.new_empty(n, heads, dk, dv)
+        delta = torch.empty_like(u)
+        final = w.new_empty(docs, heads, dk, dv)
+        geometry = _geometry(heads, size, dk, dv, precision)
+        _scan_forward_kernel[(triton.cdiv(dv, geometry["BV"]), docs * heads)](
+            w, u, handing, decay, final if initial is None else initial, states, delta, final, first_chunk,
+            HAS_INITIAL=initial is not None, **geometry)
+        ctx.save_for_backward(w, handing, decay, states, delta, first_chunk)
+        ctx.geometry, ctx.has_initial = geometry, initial is not None
+        return states, delta, final
+
+    @staticmethod
+    def backward(ctx, d_states, d_delta, d_final):
+        w, handing, decay, states, delta, first_chunk = ctx.saved_tensors
+        heads, dv, docs = w.shape[1], delta.shape[-1], first_chunk.numel() - 1
+        d_states = torch.zeros_like(states) if d_states is None else d_states.contiguous()
+        d_delta = torch.zeros_like(delta) if d_delta is None else d_delta.contiguous()
+        grad_after, delta_grad = torch.empty_like(states), torch.empty_like(delta)
+        d_initial = states.new_empty(docs, *states.shape[1:])
+        _scan_backward_kernel[(triton.cdiv(dv, ctx.geometry["BV"]), docs * heads)](
+            w, handing, decay, d_states, d_delta, d_initial if d_final is None else d_final.contiguous(),
+            grad_after, delta_grad, d_initial, first_chunk, HAS_FINAL_GRAD=d_final is not None, **ctx.geometry)
+        d_w = -(delta_grad @ states.mT)
+        d_handing = delta @ grad_after.mT
+        d_decay = (states * grad_after).sum((-2, -1))
+        return d_w, delta_grad, d_handing, d_decay, d_initial if ctx.has_initial else None, None, None
+
+
+def _geometry(heads, size, dk, dv, precision) -> dict:
+    """The kernels' shapes: blocks of at least 16 (``tl.dot``), powers of two, masked to the real widths."""
+    return dict(H=heads, C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
+                BK=max(16, triton.next_power_of_2(dk)), BV=min(VALUE_BLOCK, max(16, triton.next_power_of_2(dv))),
+                PRECISION=precision)
+
+
+class _DocumentChunks:
+    """Chunks of ``size`` tokens from each document's first token: the padded layout ``[n, H, C, *]`` the scan walks,
+    and the way back to token rows. Without padding (every document a whole number of chunks) both are views."""
+
+    def __init__(self, cu: torch.Tensor, size: int):
+        lengths = cu.diff()
+        counts = (lengths + size - 1) // size
+        first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        self.size, self.count, self.total = size, int(first[-1]), int(cu[-1])
+        self.first_chunk = first  # int64, so tile offsets are
+        self.padded = self.count * size != self.total
+        if self.padded:
+            docs = torch.arange(len(lengths), device=cu.device)
+            slot = torch.arange(self.count * size, device=cu.device)
+            doc = docs.repeat_interleave(counts)[slot // size]
+            token = cu[doc] + slot - first[doc] * size
+            self.source = torch.where(token < cu[doc + 1], token, self.total)  # total: a zero row, the padding
+            doc = docs.repeat_interleave(lengths)
+            self.place = first[doc] * size + torch.arange(self.total, device=cu.device) - cu[doc]
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows ``[total, H, *]`` → chunks ``[n, H, C, *]``."""
+        if self.padded:
+            x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.source]
+        return x.view(self.count, self.size, *x.shape[1:]).transpose(1, 2)
+
+    def join(self, x: torch.Tensor) -> torch.Tensor:
+        """Chunks ``[n, H, C, *]`` → token rows ``[total, H, *]``."""
+        rows = x.transpose(1, 2).reshape(self.count * self.size, *x.shape[1:2], *x.shape[3:])
+        return rows[self.place] if self.padded else rows
+
+
+def _forward(q, k, v, beta, g, initial, *, layout: _DocumentChunks, precision: str):
+    """Token rows ``[total, H, *]`` (β, g ``[total, H]``) → ``o`` rows (input dtype) and the final states."""
+    dtype = q.dtype
+    Q, K, V = (layout.split(x) for x in upcast(q, k, v))  # [n, H, C, *]
+    B, G = (layout.split(x) for x in upcast(beta, g))  # [n, H, C]
+    below = torch.ones(layout.size, layout.size, dtype=torch.bool, device=q.device).tril(-1)
+    D = G.cumsum(-1)
+    # Γ, its diagonal (e^0) and the last token's e^{D_C − D} a constant 1: as D_i − D_i, their gradients would be
+    # ±terms of size 1 that cancel in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
+    decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(
+        layout.size).diag()
+    after = torch.cat([G.flip(-1).cumsum(-1).flip(-1)[..., 1:], G.new_zeros(*G.shape[:-1], 1)], -1)  # D_C − D
+    lower = (B[..., None] * decay * (K @ K.mT)).tril(-1)  # the unit diagonal is implied
+    rhs = torch.cat([V, K * D.exp()[..., None]], dim=-1) * B[..., None]
+    U, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
+        [V.shape[-1], K.shape[-1]], dim=-1)
+    handing = K * after.exp()[..., None]
+    state = None if initial is None else initial.float().contiguous()
+    states, delta, final = _Scan.apply(W.contiguous(), U.contiguous(), handing.contiguous(),
+                                       D[..., -1].exp().contiguous(), state, layout.first_chunk, precision)
+    out = (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta
+    return layout.join(out).to(dtype), final
+
+
+def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
+    """``delta_rule(..., impl="triton")``: same arguments (checked there, ``g`` filled in) and results."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {q.device}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"impl='triton' takes fp32, bf16 or fp16; got {q.dtype} (use impl='chunk')")
+    batch, length, heads, dk = q.shape
+    dv = v.shape[-1]
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"delta_rule(impl='triton') supports head dims up to {MAX_HEAD_DIM}; got k {dk}, v {dv}")
+    if cu_seqlens is None:
+        cu = torch.arange(batch + 1, device=q.device) * length  # rows of a batch are documents of one stream
+    else:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        precision = "interpret"
+    else:
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    layout = _DocumentChunks(cu, chunk_size)
+    tokens = [x.reshape(batch * length, *x.shape[2:]) for x in (q, k, v, beta, g)]
+    run = partial(_forward, layout=layout, precision=precision)
+    wanted = [*tokens, initial_state]
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in wanted):
+        o, final = Recomputed.apply(run, *wanted)
+    else:
+        o, final = run(*wanted)
+    o = o.view(batch, length, heads, dv)
+    return (o, final) if output_final_state else o
