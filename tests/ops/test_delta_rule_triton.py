@@ -95,7 +95,7 @@ CASES = {
 def test_matches_chunk_fp32(case):
     """Every output, state and gradient within 1e-5 relative of the chunked form in fp64, from a random initial
     state. (With gates near −20, g's gradient is ~α ≈ 2e-9 after cancelling terms of size 1 in the chunked form's
-    fp32: 0.7 relative there, 1e-6 here, which writes the cancelling terms as constants.)"""
+    fp32: 0.7 relative there, 1.5e-6 here, which writes the cancelling terms as constants.)"""
     batch, length, heads, dk, dv, cu, gates, chunk = CASES[case]
     seed = list(CASES).index(case)
     inputs = make_inputs(batch, length, heads, dk, dv, gates, seed=seed)
