@@ -86,6 +86,8 @@ CASES = {
     "deltanet_documents": (1, 45, 1, 16, 16, DOCUMENTS, None, 16),
     "gates_near_minus_20": (1, 45, 2, 16, 24, DOCUMENTS, (-20.0, -19.0), 16),
     "gates_near_0": (2, 21, 2, 16, 16, None, (-1e-3, 0.0), 16),
+    "whole_chunks": (2, 32, 1, 16, 16, None, (-0.5, 0.0), 16),  # nothing pads: the chunk layout is a view
+    "whole_chunk_documents": (1, 48, 1, 16, 16, [0, 16, 48], (-0.5, 0.0), 16),
     "width_64": (1, 40, 1, 64, 64, [0, 3, 40], (-1.0, 0.0), 32),
     "width_128_dv_64": (1, 20, 1, 128, 64, None, (-0.5, 0.0), 16),
 }
