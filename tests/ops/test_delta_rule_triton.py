@@ -17,8 +17,11 @@ from pretrain.ops.delta_rule import delta_rule
 from pretrain.ops.first_use import forget_verdicts
 
 delta_module = importlib.import_module("pretrain.ops.delta_rule")  # the package (ops/ exports the function by its name)
+triton_module = importlib.import_module("pretrain.ops.delta_rule.triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DOCUMENTS = [0, 1, 2, 5, 13, 16, 29, 45]  # one-token documents, documents straddling chunks of 16, a whole chunk
+# one-token documents, documents across the boundaries of chunks of 16 counted from the stream's start (chunk's
+# layout; ours starts chunks at each document), a whole chunk
+DOCUMENTS = [0, 1, 2, 5, 13, 16, 29, 45]
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +109,18 @@ def test_matches_chunk_fp32(case):
     cu_seqlens = None if cu is None else torch.tensor(cu, device=DEVICE)
     compare(inputs, state.to(DEVICE), dtype=torch.float32, tol=1e-5, seed=seed, cu_seqlens=cu_seqlens,
             chunk_size=chunk)
+
+
+@pytest.mark.parametrize("chunks_per_block", [1, 3])
+def test_blocks_of_chunks_hand_on_the_running_document(monkeypatch, chunks_per_block):
+    """Blocks of one chunk and of three (each recomputed on its own in backward): documents run across blocks,
+    several end inside one, and the states and gradients still match."""
+    monkeypatch.setattr(triton_module, "BLOCK_ELEMENTS", chunks_per_block * 2 * 8 * 16)  # heads × C × max(C, D)
+    cu = [0, 1, 20, 23, 60]  # chunks of 8 from each document's start: 1, 3, 1 and 5
+    inputs = make_inputs(1, 60, 2, 16, 16, (-1.0, 0.0), seed=20)
+    state = torch.randn(len(cu) - 1, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(20))
+    compare(inputs, state.to(DEVICE), dtype=torch.float32, tol=1e-5, seed=20,
+            cu_seqlens=torch.tensor(cu, device=DEVICE), chunk_size=8)
 
 
 def test_beta_near_1_from_zero_state():

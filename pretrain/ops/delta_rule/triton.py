@@ -17,10 +17,13 @@ attention kernels): a document's last chunk is padded with tokens of β = 0, g =
 nothing, so no chunk holds two documents and the scan needs no masks. One program owns a (document, head, block
 of value channels) and carries its fp32 state ``[Dk, block]`` in registers; the scan's columns are independent.
 
-Memory: the whole op runs without autograd and again with it in backward (``ops/recompute.py``), so backward keeps
-only the inputs; during backward the per-chunk states (``T/C × Dk × Dv`` per head, fp32) and the UT temporaries
-exist for this op alone. Under ``TRITON_INTERPRET=1`` the kernels run on CPU; the tests hold them to ``chunk``.
+Memory: the chunks are walked in blocks (``BLOCK_ELEMENTS``), each run without autograd and again with it in
+backward (``ops/recompute.py``), so backward keeps only the inputs and one state per block; the per-chunk states
+(``Dk × Dv`` per chunk and head, fp32) and the UT temporaries exist for one block at a time. A block hands the state
+of the document running past its end to the next. Under ``TRITON_INTERPRET=1`` the kernels run on CPU; the tests
+hold them to ``chunk``.
 """
+import bisect
 import os
 from functools import partial
 
@@ -30,12 +33,16 @@ import triton.language as tl
 
 from ..linear_attention.triton import _mm
 from ..precision import upcast
-from ..recompute import Recomputed
+from ..recompute import bounded_blocks, in_blocks
 
 MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registers
 # Launch settings, from the compiler's resource report for sm_90 (Dk = Dv = 128, TF32 products; no GPU timed yet):
 # blocks of 32 value channels with 4 warps spill in neither kernel; 64 with 4 or 8 warps spill in the forward.
 CONFIG = dict(value_block=32, num_warps=4, num_stages=2)
+# Chunks are walked in blocks whose C×C and C×width temporaries hold about this many numbers each (128 MiB in fp32;
+# 128 chunks of 64 at 32 heads of 128): each block is recomputed on its own in backward, which bounds backward's
+# peak (a few GB), while the blocks stay few enough that launches do not dominate. Not yet tuned on a GPU.
+BLOCK_ELEMENTS = 1 << 25
 
 
 @triton.jit
@@ -52,19 +59,17 @@ def _tile_offsets(tile, ROWS: tl.constexpr, WIDTH: tl.constexpr, col, BR: tl.con
 def _scan_forward_kernel(
     w, u, handing, decay, initial, states, delta, final, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Over the chunks of one document and head: write the state entering each chunk, Δ = U − W S per token and
-    the state after the last chunk. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C} per chunk and head."""
+    """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
+    chunk, Δ = U − W S per token and the state after its chunks. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C}
+    per chunk and head."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
     v0 = i_v * BV
     state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INITIAL:
-        S += tl.load(initial + state_at, mask=state_mask, other=0.0)
+    S = tl.load(initial + state_at, mask=state_mask, other=0.0)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
         at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
@@ -112,8 +117,9 @@ def _scan_backward_kernel(
 
 
 class _Scan(torch.autograd.Function):
-    """``(W, U, K ⊙ e^{D_C − D}, e^{D_C}, initial)`` → (the state entering each chunk, Δ, each document's final
-    state). Chunk tensors ``[n, H, C, *]`` (fp32, contiguous), ``decay [n, H]``, states ``[*, H, Dk, Dv]``."""
+    """``(W, U, K ⊙ e^{D_C − D}, e^{D_C}, initial)`` → (the state entering each chunk, Δ, the state after each
+    document's chunks). Chunk tensors ``[n, H, C, *]`` (fp32, contiguous), ``decay [n, H]``, states
+    ``[*, H, Dk, Dv]``; ``first_chunk``: each document's first chunk, and n last."""
 
     @staticmethod
     def forward(ctx, w, u, handing, decay, initial, first_chunk, precision):
@@ -124,10 +130,9 @@ class _Scan(torch.autograd.Function):
         final = w.new_empty(docs, heads, dk, dv)
         geometry = _geometry(heads, size, dk, dv, precision)
         _scan_forward_kernel[(triton.cdiv(dv, geometry["BV"]), docs * heads)](
-            w, u, handing, decay, final if initial is None else initial, states, delta, final, first_chunk,
-            HAS_INITIAL=initial is not None, **geometry)
+            w, u, handing, decay, initial, states, delta, final, first_chunk, **geometry)
         ctx.save_for_backward(w, handing, decay, states, delta, first_chunk)
-        ctx.geometry, ctx.has_initial = geometry, initial is not None
+        ctx.geometry = geometry
         return states, delta, final
 
     @staticmethod
@@ -144,7 +149,7 @@ class _Scan(torch.autograd.Function):
         d_w = -(delta_grad @ states.mT)
         d_handing = delta @ grad_after.mT
         d_decay = (states * grad_after).sum((-2, -1))
-        return d_w, delta_grad, d_handing, d_decay, d_initial if ctx.has_initial else None, None, None
+        return d_w, delta_grad, d_handing, d_decay, d_initial, None, None
 
 
 def _geometry(heads, size, dk, dv, precision) -> dict:
@@ -157,15 +162,17 @@ def _geometry(heads, size, dk, dv, precision) -> dict:
 
 
 class _DocumentChunks:
-    """Chunks of ``size`` tokens from each document's first token: the padded layout ``[n, H, C, *]`` the scan walks,
-    and the way back to token rows. Without padding (every document a whole number of chunks) both are views."""
+    """Chunks of ``size`` tokens from each document's first token: the padded token rows the blocks walk, the
+    documents each block of chunks holds, and the way back to token rows. Without padding (every document a whole
+    number of chunks) the padded rows are the token rows."""
 
     def __init__(self, cu: torch.Tensor, size: int):
         lengths = cu.diff()
         counts = (lengths + size - 1) // size
         first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        self.size, self.count, self.total = size, int(first[-1]), int(cu[-1])
-        self.first_chunk = first  # int64, so tile offsets are
+        self.size, self.total = size, int(cu[-1])
+        self.first = first.tolist()  # each document's first chunk, and the number of chunks last
+        self.count = self.first[-1]
         self.padded = self.count * size != self.total
         if self.padded:
             docs = torch.arange(len(lengths), device=cu.device)
@@ -176,40 +183,50 @@ class _DocumentChunks:
             doc = docs.repeat_interleave(lengths)
             self.place = first[doc] * size + torch.arange(self.total, device=cu.device) - cu[doc]
 
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """Token rows ``[total, H, *]`` → chunks ``[n, H, C, *]``."""
-        if self.padded:
-            x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.source]
-        return x.view(self.count, self.size, *x.shape[1:]).transpose(1, 2)
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows ``[total, H, *]`` → padded rows ``[n·C, H, *]``."""
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.source] if self.padded else x
 
-    def join(self, x: torch.Tensor) -> torch.Tensor:
-        """Chunks ``[n, H, C, *]`` → token rows ``[total, H, *]``."""
-        rows = x.transpose(1, 2).reshape(self.count * self.size, *x.shape[1:2], *x.shape[3:])
-        return rows[self.place] if self.padded else rows
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded rows ``[n·C, H, *]`` → token rows ``[total, H, *]``."""
+        return x[self.place] if self.padded else x
+
+    def documents(self, lo: int, hi: int):
+        """The documents with chunks in ``lo … hi-1``: the first and one past the last, their first chunks counted from
+        lo (cut to the block, ``hi − lo`` last), and whether the first began before lo and the last runs past hi."""
+        d_lo = bisect.bisect_right(self.first, lo) - 1
+        d_hi = bisect.bisect_left(self.first, hi)
+        local = [max(f, lo) - lo for f in self.first[d_lo:d_hi]] + [hi - lo]
+        return d_lo, d_hi, local, self.first[d_lo] < lo, self.first[d_hi] > hi
 
 
-def _forward(q, k, v, beta, g, initial, *, layout: _DocumentChunks, precision: str):
-    """Token rows ``[total, H, *]`` (β, g ``[total, H]``) → ``o`` rows (input dtype) and the final states."""
-    dtype = q.dtype
-    Q, K, V = (layout.split(x) for x in upcast(q, k, v))  # [n, H, C, *]
-    B, G = (layout.split(x) for x in upcast(beta, g))  # [n, H, C]
-    below = torch.ones(layout.size, layout.size, dtype=torch.bool, device=q.device).tril(-1)
-    D = G.cumsum(-1)
+def _block(lo, hi, q, k, v, beta, g, entering, initial, *, layout: _DocumentChunks, precision: str):
+    """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta, g [·, H]``) from ``entering`` (the
+    state of the document running into chunk lo, if one does) → their ``o`` rows (input dtype), the state of the
+    document running past chunk hi-1 (if one does) and the final states of the documents ending in them."""
+    dtype, size = q.dtype, layout.size
+    Q, K, V, B, G = (x.view(hi - lo, size, *x.shape[1:]).transpose(1, 2) for x in upcast(q, k, v, beta, g))
+    below = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)
+    D = G.cumsum(-1)  # [n, H, C]
     # Γ, its diagonal (e^0) and the last token's e^{D_C − D} a constant 1: as D_i − D_i, their gradients would be
     # ±terms of size 1 that cancel in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
-    decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(
-        layout.size).diag()
+    decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(size).diag()
     after = torch.cat([G.flip(-1).cumsum(-1).flip(-1)[..., 1:], G.new_zeros(*G.shape[:-1], 1)], -1)  # D_C − D
     lower = (B[..., None] * decay * (K @ K.mT)).tril(-1)  # the unit diagonal is implied
     rhs = torch.cat([V, K * D.exp()[..., None]], dim=-1) * B[..., None]
     U, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
         [V.shape[-1], K.shape[-1]], dim=-1)
     handing = K * after.exp()[..., None]
-    state = None if initial is None else initial.float().contiguous()
-    states, delta, final = _Scan.apply(W.contiguous(), U.contiguous(), handing.contiguous(),
-                                       D[..., -1].exp().contiguous(), state, layout.first_chunk, precision)
+
+    d_lo, d_hi, local, runs_in, runs_on = layout.documents(lo, hi)
+    given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
+    starting = torch.cat([entering[None], given[1:]]) if runs_in else given
+    first_chunk = torch.tensor(local, device=q.device)
+    states, delta, leaving = _Scan.apply(W.contiguous(), U.contiguous(), handing.contiguous(),
+                                         D[..., -1].exp().contiguous(), starting.contiguous(), first_chunk, precision)
     out = (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta
-    return layout.join(out).to(dtype), final
+    rows = out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]).to(dtype)
+    return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
 
 
 def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
@@ -231,12 +248,10 @@ def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fin
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
     layout = _DocumentChunks(cu, chunk_size)
-    tokens = [x.reshape(batch * length, *x.shape[2:]) for x in (q, k, v, beta, g)]
-    run = partial(_forward, layout=layout, precision=precision)
-    wanted = [*tokens, initial_state]
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in wanted):
-        o, final = Recomputed.apply(run, *wanted)
-    else:
-        o, final = run(*wanted)
-    o = o.view(batch, length, heads, dv)
-    return (o, final) if output_final_state else o
+    tokens = [layout.pad(x.reshape(batch * length, *x.shape[2:])) for x in (q, k, v, beta, g)]
+    blocks = bounded_blocks(layout.count, heads, chunk_size, max(dk, dv), BLOCK_ELEMENTS)
+    entering = q.new_zeros(heads, dk, dv, dtype=torch.float32)  # no document runs into the first chunk
+    block = partial(_block, layout=layout, precision=precision)
+    rows, _, finals = in_blocks(block, blocks, chunk_size, tokens, entering, initial_state)
+    o = layout.unpad(rows).view(batch, length, heads, dv)
+    return (o, torch.cat(finals)) if output_final_state else o
