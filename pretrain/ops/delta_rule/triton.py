@@ -64,7 +64,7 @@ def _scan_forward_kernel(
     """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
     chunk, Δ = U − W S per token and the state after its chunks. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C}
     per chunk and head."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
     i_n, i_h = i_nh // H, i_nh % H
     c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
     v0 = i_v * BV
@@ -93,7 +93,7 @@ def _scan_backward_kernel(
 ):
     """The forward scan's adjoint, chunks in reverse: writes G (the gradient of the state leaving each chunk), the
     total gradient of Δ per token, and G before the first chunk (the initial state's gradient)."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
     i_n, i_h = i_nh // H, i_nh % H
     c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
     v0 = i_v * BV
@@ -129,7 +129,7 @@ class _Scan(torch.autograd.Function):
         delta = torch.empty_like(u)
         final = w.new_empty(docs, heads, dk, dv)
         geometry = _geometry(heads, size, dk, dv, precision)
-        _scan_forward_kernel[(triton.cdiv(dv, geometry["BV"]), docs * heads)](
+        _scan_forward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
             w, u, handing, decay, initial, states, delta, final, first_chunk, **geometry)
         ctx.save_for_backward(w, handing, decay, states, delta, first_chunk)
         ctx.geometry = geometry
@@ -143,7 +143,7 @@ class _Scan(torch.autograd.Function):
         d_delta = torch.zeros_like(delta) if d_delta is None else d_delta.contiguous()
         grad_after, delta_grad = torch.empty_like(states), torch.empty_like(delta)
         d_initial = states.new_empty(docs, *states.shape[1:])
-        _scan_backward_kernel[(triton.cdiv(dv, ctx.geometry["BV"]), docs * heads)](
+        _scan_backward_kernel[(docs * heads, triton.cdiv(dv, ctx.geometry["BV"]))](
             w, handing, decay, d_states, d_delta, d_initial if d_final is None else d_final.contiguous(),
             grad_after, delta_grad, d_initial, first_chunk, HAS_FINAL_GRAD=d_final is not None, **ctx.geometry)
         d_w = -(delta_grad @ states.mT)
