@@ -165,6 +165,22 @@ def test_pieces_with_carried_state_equal_the_whole():
     assert_close(S_end, S_whole, 1e-6, "final state in two pieces")
 
 
+def test_the_layout_is_read_once_per_offsets_tensor():
+    """A model hands every layer the same offsets: their layout (read on the host, a wait on a GPU) is built once,
+    and again after an in-place change, which the results follow."""
+    q, k, v, beta, g = (x.float() for x in make_inputs(1, 30, 1, 16, 16, (-1.0, 0.0), seed=18))
+    cu = torch.tensor([0, 7, 30], device=DEVICE)
+    first = delta_rule(q, k, v, beta, g, cu_seqlens=cu, chunk_size=16, impl="triton")
+    layout = triton_module._last_layout[2]
+    delta_rule(q, k, v, beta, g, cu_seqlens=cu, chunk_size=16, impl="triton")
+    assert triton_module._last_layout[2] is layout
+    cu[1] = 20
+    moved = delta_rule(q, k, v, beta, g, cu_seqlens=cu, chunk_size=16, impl="triton")
+    assert triton_module._last_layout[2] is not layout
+    assert_close(moved, delta_rule(q, k, v, beta, g, cu_seqlens=cu, chunk_size=16, impl="chunk"), 1e-6, "o")
+    assert not torch.equal(moved, first)
+
+
 def test_refuses_what_it_cannot_run(monkeypatch):
     q, k, v, beta, g = make_inputs(1, 8, 1, 16, 16, (-1.0, 0.0), seed=15)
     with pytest.raises(ValueError, match="takes fp32, bf16 or fp16; got torch.float64"):

@@ -88,18 +88,21 @@ def _triton_may_run(q, v) -> bool:
 def _trusted(impl, q, v, gated, cu_seqlens, chunk_size) -> bool:
     """``impl``'s first-use check (``ops/first_use.py``) for this device, dtype and request class: three of fla's
     chunks of two heads of the request's widths, k L2-normalized, an initial state in and the final state out
-    (folded into the compared output), a document boundary inside a chunk when the request packs them."""
+    (folded into the compared output), a document boundary inside a chunk when the request packs them. Nothing is
+    made on the device once the class has its verdict (each copy there waits for it)."""
     heads, dk, dv = min(q.shape[2], 2), q.shape[3], v.shape[3]
     length, packed = 2 * 64 + 5, cu_seqlens is not None
     key = (f"delta_rule_{impl}", str(q.device), q.dtype, dk, dv, gated, packed, chunk_size)
-    cu = torch.tensor([0, 37, length], device=q.device) if packed else None
     num = 2 if packed else 1
     shapes = [(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (num, heads, dk, dv)] + [(1, length, heads)] * (
         2 if gated else 1)  # beta, and the forgetting -g where gated: every input must reach the output
-    inputs = sample_inputs(shapes, like=q, positive=(False, False, False, False, True, True))
+
+    def inputs():
+        return sample_inputs(shapes, like=q, positive=(False, False, False, False, True, True))
 
     def run(impl):
         def call(q, k, v, S, beta, *forget):
+            cu = torch.tensor([0, 37, length], device=q.device) if packed else None
             o, final = delta_rule(q * dk ** -0.5, F.normalize(k, dim=-1), v, beta, -forget[0] if gated else None,
                                   cu_seqlens=cu, initial_state=S, output_final_state=True, chunk_size=chunk_size,
                                   impl=impl)

@@ -25,7 +25,9 @@ hold them to ``chunk``.
 """
 import bisect
 import os
+import weakref
 from functools import partial
+from itertools import chain
 
 import torch
 import triton
@@ -164,24 +166,26 @@ def _geometry(heads, size, dk, dv, precision) -> dict:
 class _DocumentChunks:
     """Chunks of ``size`` tokens from each document's first token: the padded token rows the blocks walk, the
     documents each block of chunks holds, and the way back to token rows. Without padding (every document a whole
-    number of chunks) the padded rows are the token rows."""
+    number of chunks) the padded rows are the token rows. Built from the offsets on the host, and reused while they
+    stay the same (``_layout``): each read of them on the host waits for the GPU."""
 
-    def __init__(self, cu: torch.Tensor, size: int):
-        lengths = cu.diff()
-        counts = (lengths + size - 1) // size
-        first = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        self.size, self.total = size, int(cu[-1])
-        self.first = first.tolist()  # each document's first chunk, and the number of chunks last
-        self.count = self.first[-1]
+    def __init__(self, offsets: list[int], size: int, device):
+        self.size, self.total, self.device = size, offsets[-1], device
+        first = [0]
+        for start, end in zip(offsets, offsets[1:]):
+            first.append(first[-1] + -(-(end - start) // size))
+        self.first, self.count = first, first[-1]  # each document's first chunk, and the number of chunks last
         self.padded = self.count * size != self.total
+        self.plans: dict[tuple, list] = {}
         if self.padded:
-            docs = torch.arange(len(lengths), device=cu.device)
-            slot = torch.arange(self.count * size, device=cu.device)
-            doc = docs.repeat_interleave(counts)[slot // size]
+            cu, first = _on_device([offsets, first], device)
+            docs = torch.arange(len(offsets) - 1, device=device)
+            slot = torch.arange(self.count * size, device=device)
+            doc = docs.repeat_interleave(first.diff(), output_size=self.count)[slot // size]
             token = cu[doc] + slot - first[doc] * size
             self.source = torch.where(token < cu[doc + 1], token, self.total)  # total: a zero row, the padding
-            doc = docs.repeat_interleave(lengths)
-            self.place = first[doc] * size + torch.arange(self.total, device=cu.device) - cu[doc]
+            doc = docs.repeat_interleave(cu.diff(), output_size=self.total)
+            self.place = first[doc] * size + torch.arange(self.total, device=device) - cu[doc]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Token rows ``[total, H, *]`` → padded rows ``[n·C, H, *]``."""
@@ -191,20 +195,53 @@ class _DocumentChunks:
         """Padded rows ``[n·C, H, *]`` → token rows ``[total, H, *]``."""
         return x[self.place] if self.padded else x
 
-    def documents(self, lo: int, hi: int):
-        """The documents with chunks in ``lo … hi-1``: the first and one past the last, their first chunks counted from
-        lo (cut to the block, ``hi − lo`` last), and whether the first began before lo and the last runs past hi."""
-        d_lo = bisect.bisect_right(self.first, lo) - 1
-        d_hi = bisect.bisect_left(self.first, hi)
-        local = [max(f, lo) - lo for f in self.first[d_lo:d_hi]] + [hi - lo]
-        return d_lo, d_hi, local, self.first[d_lo] < lo, self.first[d_hi] > hi
+    def plan(self, blocks: list[tuple[int, int]]) -> list[tuple[int, int, torch.Tensor, bool, bool]]:
+        """Per block ``lo … hi-1``: its documents (the first, one past the last), their first chunks counted from lo
+        (cut to the block; ``hi − lo`` last) on the device, whether the first began before lo, whether the last runs
+        past hi. All blocks' chunk tables go to the device in one copy."""
+        key = tuple(blocks)
+        if key not in self.plans:
+            spans, tables = [], []
+            for lo, hi in blocks:
+                d_lo = bisect.bisect_right(self.first, lo) - 1
+                d_hi = bisect.bisect_left(self.first, hi)
+                spans.append((d_lo, d_hi, self.first[d_lo] < lo, self.first[d_hi] > hi))
+                tables.append([max(f, lo) - lo for f in self.first[d_lo:d_hi]] + [hi - lo])
+            flat = _on_device([list(chain(*tables))], self.device)[0].split([len(t) for t in tables])
+            self.plans[key] = [(d_lo, d_hi, table, runs_in, runs_on)
+                               for (d_lo, d_hi, runs_in, runs_on), table in zip(spans, flat)]
+        return self.plans[key]
 
 
-def _block(lo, hi, q, k, v, beta, g, entering, initial, *, layout: _DocumentChunks, precision: str):
+def _on_device(rows: list[list[int]], device) -> torch.Tensor:
+    """Host integers ``[len(rows), n]`` on ``device`` without waiting for it (a pinned, non-blocking copy)."""
+    host = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+_last_layout = None  # (what it was built for, a weak reference to the offsets, the layout): every layer shares one
+
+
+def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int, device) -> _DocumentChunks:
+    """The chunk layout of the request, the last one again when the offsets are the same tensor, unchanged."""
+    global _last_layout
+    key = (batch, length, size, str(device), None if cu_seqlens is None else cu_seqlens._version)
+    if _last_layout is not None and _last_layout[0] == key and (
+            cu_seqlens is None if _last_layout[1] is None else _last_layout[1]() is cu_seqlens):
+        return _last_layout[2]
+    offsets = list(range(0, batch * length + 1, length)) if cu_seqlens is None else cu_seqlens.tolist()
+    layout = _DocumentChunks(offsets, size, device)
+    _last_layout = (key, None if cu_seqlens is None else weakref.ref(cu_seqlens), layout)
+    return layout
+
+
+def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str):
     """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta, g [·, H]``) from ``entering`` (the
     state of the document running into chunk lo, if one does) → their ``o`` rows (input dtype), the state of the
     document running past chunk hi-1 (if one does) and the final states of the documents ending in them."""
-    dtype, size = q.dtype, layout.size
+    dtype, size = q.dtype, q.shape[0] // (hi - lo)
     Q, K, V, B, G = (x.view(hi - lo, size, *x.shape[1:]).transpose(1, 2) for x in upcast(q, k, v, beta, g))
     below = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)
     D = G.cumsum(-1)  # [n, H, C]
@@ -218,10 +255,9 @@ def _block(lo, hi, q, k, v, beta, g, entering, initial, *, layout: _DocumentChun
         [V.shape[-1], K.shape[-1]], dim=-1)
     handing = K * after.exp()[..., None]
 
-    d_lo, d_hi, local, runs_in, runs_on = layout.documents(lo, hi)
+    d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
     given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
     starting = torch.cat([entering[None], given[1:]]) if runs_in else given
-    first_chunk = torch.tensor(local, device=q.device)
     states, delta, leaving = _Scan.apply(W.contiguous(), U.contiguous(), handing.contiguous(),
                                          D[..., -1].exp().contiguous(), starting.contiguous(), first_chunk, precision)
     out = (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta
@@ -239,19 +275,16 @@ def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fin
     dv = v.shape[-1]
     if max(dk, dv) > MAX_HEAD_DIM:
         raise ValueError(f"delta_rule(impl='triton') supports head dims up to {MAX_HEAD_DIM}; got k {dk}, v {dv}")
-    if cu_seqlens is None:
-        cu = torch.arange(batch + 1, device=q.device) * length  # rows of a batch are documents of one stream
-    else:
-        cu = cu_seqlens.to(device=q.device, dtype=torch.long)
     if os.environ.get("TRITON_INTERPRET") == "1":
         precision = "interpret"
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    layout = _DocumentChunks(cu, chunk_size)
+    layout = _layout(batch, length, cu_seqlens, chunk_size, q.device)  # rows of a batch: documents of one stream
     tokens = [layout.pad(x.reshape(batch * length, *x.shape[2:])) for x in (q, k, v, beta, g)]
     blocks = bounded_blocks(layout.count, heads, chunk_size, max(dk, dv), BLOCK_ELEMENTS)
+    plan = dict(zip(blocks, layout.plan(blocks)))
     entering = q.new_zeros(heads, dk, dv, dtype=torch.float32)  # no document runs into the first chunk
-    block = partial(_block, layout=layout, precision=precision)
+    block = partial(_block, plan=plan, precision=precision)
     rows, _, finals = in_blocks(block, blocks, chunk_size, tokens, entering, initial_state)
     o = layout.unpad(rows).view(batch, length, heads, dv)
     return (o, torch.cat(finals)) if output_final_state else o
