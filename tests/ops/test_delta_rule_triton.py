@@ -181,6 +181,25 @@ def test_the_layout_is_read_once_per_offsets_tensor():
     assert not torch.equal(moved, first)
 
 
+@pytest.mark.parametrize("gate", [False, True], ids=["deltanet", "gated_deltanet"])
+def test_the_mixer_runs_it_as_is(gate):
+    """The mixers pass ``impl`` through: a DeltaNet layer on packed documents gives the chunked form's output and
+    gradients (input and every parameter)."""
+    from pretrain.attention.deltanet import DeltaNet
+
+    torch.manual_seed(0)
+    layer = DeltaNet(32, 2, gate=gate, chunk_size=16).to(DEVICE)
+    x = torch.randn(1, 30, 32, device=DEVICE, requires_grad=True)
+    cu = torch.tensor([0, 7, 30], device=DEVICE)
+    results = []
+    for impl in ("triton", "chunk"):
+        layer.impl = impl
+        y = layer(x, cu_seqlens=cu)
+        results.append([y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])])
+    for name, got, want in zip(["y", "dx", *(n for n, _ in layer.named_parameters())], *results):
+        assert_close(got, want, 1e-5, name)
+
+
 def test_refuses_what_it_cannot_run(monkeypatch):
     q, k, v, beta, g = make_inputs(1, 8, 1, 16, 16, (-1.0, 0.0), seed=15)
     with pytest.raises(ValueError, match="takes fp32, bf16 or fp16; got torch.float64"):
