@@ -41,6 +41,9 @@ MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registe
 # Launch settings, from the compiler's resource report for sm_90 (Dk = Dv = 128, TF32 products; no GPU timed yet):
 # blocks of 32 value channels with 4 warps spill in neither kernel; 64 with 4 or 8 warps spill in the forward.
 CONFIG = dict(value_block=32, num_warps=4, num_stages=2)
+# The UT kernels (one program per chunk and head, every channel): with 8 warps the forward does not spill; the
+# backward spills 1.6 KB a thread at C = 64, Dk = Dv = 128 (2.1 KB with 4 warps).
+UT_CONFIG = dict(num_warps=8, num_stages=1)
 # Chunks are walked in blocks whose C×C and C×width temporaries hold about this many numbers each (128 MiB in fp32;
 # 128 chunks of 64 at 32 heads of 128): each block is recomputed on its own in backward, which bounds backward's
 # peak (a few GB), while the blocks stay few enough that launches do not dominate. Not yet tuned on a GPU.
@@ -116,6 +119,119 @@ def _scan_backward_kernel(
         G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
             - _mm(tl.trans(W), dd, None, PRECISION)
     tl.store(d_initial + state_at, G, mask=state_mask)
+
+
+@triton.jit
+def _chunk_factors(k, beta, log_decay, tile, C: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk's K ``[BC, BK]``, β, D (the log-gate summed from the chunk's start), K Kᵀ, and Γ on the strictly
+    lower triangle (0 elsewhere: the solve's matrix has no diagonal)."""
+    rows = tl.arange(0, BC)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    K = tl.load(k + at_k, mask=mask_k, other=0.0)
+    b = tl.load(beta + tile * C + rows, mask=rows < C, other=0.0)
+    d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
+    strict = rows[:, None] > rows[None, :]
+    decay = tl.exp(tl.where(strict, d[:, None] - d[None, :], float("-inf")))
+    return K, b, d, _mm(K, tl.trans(K), None, PRECISION), decay, strict
+
+
+@triton.jit
+def _ut_forward_kernel(
+    k, v, beta, log_decay, a, w, u,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Per (chunk, head): A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹ by forward substitution, row by row; then
+    W = A (β e^D K), U = A (β V). Writes A too, for backward."""
+    tile = tl.program_id(0).to(tl.int64)
+    K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
+    M = tl.where(strict, b[:, None] * decay * KK, 0.0)
+    rows = tl.arange(0, BC)
+    A = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, C):  # row i of A: e_i − Σ_{j<i} M_ij (row j of A); rows ≥ i of A are still e_j, M_ij = 0
+        m_i = tl.sum(tl.where(rows[:, None] == i, M, 0.0), 0)
+        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(m_i[:, None] * A, 0)
+        A = tl.where(rows[:, None] == i, row[None, :], A)
+    at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
+    tl.store(a + at_a, A, mask=mask_a)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    tl.store(w + at_k, _mm(A, K * (b * tl.exp(d))[:, None], None, PRECISION), mask=mask_k)
+    at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
+    V = tl.load(v + at_v, mask=mask_v, other=0.0)
+    tl.store(u + at_v, _mm(A, V * b[:, None], None, PRECISION), mask=mask_v)
+
+
+@triton.jit
+def _ut_backward_kernel(
+    k, v, beta, log_decay, a, dw, du, dk, dv, dbeta, dlog,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The UT transform's gradient per (chunk, head), with X = β e^D K, Y = β V (W = A X, U = A Y):
+    dX = Aᵀ dW, dY = Aᵀ dU, dA = dW Xᵀ + dU Yᵀ, and through the inverse dM = −Aᵀ dA Aᵀ on the strictly lower
+    triangle, M = β Γ ⊙ K Kᵀ."""
+    tile = tl.program_id(0).to(tl.int64)
+    K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
+    rows = tl.arange(0, BC)
+    at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
+    A = tl.load(a + at_a, mask=mask_a, other=0.0)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
+    dW = tl.load(dw + at_k, mask=mask_k, other=0.0)
+    dU = tl.load(du + at_v, mask=mask_v, other=0.0)
+    V = tl.load(v + at_v, mask=mask_v, other=0.0)
+    scale = b * tl.exp(d)
+    dX = _mm(tl.trans(A), dW, None, PRECISION)
+    dY = _mm(tl.trans(A), dU, None, PRECISION)
+    dA = _mm(dU, tl.trans(V * b[:, None]), _mm(dW, tl.trans(K * scale[:, None]), None, PRECISION), PRECISION)
+    dM = -_mm(tl.trans(A), _mm(dA, tl.trans(A), None, PRECISION), None, PRECISION)
+    dM = tl.where(strict, dM, 0.0)
+    dKK = dM * b[:, None] * decay
+    dK = _mm(dKK, K, _mm(tl.trans(dKK), K, dX * scale[:, None], PRECISION), PRECISION)
+    tl.store(dk + at_k, dK, mask=mask_k)
+    tl.store(dv + at_v, dY * b[:, None], mask=mask_v)
+    through_x = tl.sum(dX * K, 1)  # ∂/∂scale of the row
+    weighted = dKK * KK  # dΓ ⊙ Γ: the log-gate's share of M
+    db = tl.sum(dM * decay * KK, 1) + tl.exp(d) * through_x + tl.sum(dY * V, 1)
+    dd = tl.sum(weighted, 1) - tl.sum(weighted, 0) + scale * through_x
+    tl.store(dbeta + tile * C + rows, db, mask=rows < C)
+    tl.store(dlog + tile * C + rows, dd, mask=rows < C)
+
+
+class _UT(torch.autograd.Function):
+    """The per-chunk UT transform ``(K, V, β, D)`` → ``(W, U)``, chunk tensors ``[n, H, C, *]`` (fp32,
+    contiguous), every (chunk, head) a program; A is kept for backward (``C`` numbers per token and head)."""
+
+    @staticmethod
+    def forward(ctx, k, v, beta, log_decay, precision):
+        n, heads, size, dk = k.shape
+        dv = v.shape[-1]
+        a = k.new_empty(n, heads, size, size)
+        w, u = torch.empty_like(k), torch.empty_like(v)
+        geometry = _ut_geometry(size, dk, dv, precision)
+        _ut_forward_kernel[(n * heads,)](k, v, beta, log_decay, a, w, u, **geometry)
+        ctx.save_for_backward(k, v, beta, log_decay, a)
+        ctx.geometry = geometry
+        return w, u
+
+    @staticmethod
+    def backward(ctx, dw, du):
+        k, v, beta, log_decay, a = ctx.saved_tensors
+        dw = torch.zeros_like(k) if dw is None else dw.contiguous()
+        du = torch.zeros_like(v) if du is None else du.contiguous()
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dbeta, dlog = torch.empty_like(beta), torch.empty_like(log_decay)
+        _ut_backward_kernel[(k.shape[0] * k.shape[1],)](k, v, beta, log_decay, a, dw, du, dk, dv, dbeta, dlog,
+                                                        **ctx.geometry)
+        return dk, dv, dbeta, dlog, None
+
+
+def _ut_geometry(size, dk, dv, precision) -> dict:
+    """The UT kernels' shapes (every channel in one program) and launch settings (``UT_CONFIG``)."""
+    return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
+                BK=max(16, triton.next_power_of_2(dk)), BVF=max(16, triton.next_power_of_2(dv)),
+                PRECISION=precision, **UT_CONFIG)
 
 
 class _Scan(torch.autograd.Function):
@@ -249,16 +365,13 @@ def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision
     # ±terms of size 1 that cancel in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
     decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(size).diag()
     after = torch.cat([G.flip(-1).cumsum(-1).flip(-1)[..., 1:], G.new_zeros(*G.shape[:-1], 1)], -1)  # D_C − D
-    lower = (B[..., None] * decay * (K @ K.mT)).tril(-1)  # the unit diagonal is implied
-    rhs = torch.cat([V, K * D.exp()[..., None]], dim=-1) * B[..., None]
-    U, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
-        [V.shape[-1], K.shape[-1]], dim=-1)
+    W, U = _UT.apply(K.contiguous(), V.contiguous(), B.contiguous(), D.contiguous(), precision)
     handing = K * after.exp()[..., None]
 
     d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
     given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
     starting = torch.cat([entering[None], given[1:]]) if runs_in else given
-    states, delta, leaving = _Scan.apply(W.contiguous(), U.contiguous(), handing.contiguous(),
+    states, delta, leaving = _Scan.apply(W, U, handing.contiguous(),
                                          D[..., -1].exp().contiguous(), starting.contiguous(), first_chunk, precision)
     out = (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta
     rows = out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]).to(dtype)
