@@ -1,16 +1,21 @@
-"""The gated delta rule with its chunk-to-chunk scan in Triton (docs/MIXERS.md#deltanet, "Triton form").
+"""The gated delta rule's chunked form with its per-chunk and sequential parts in Triton (docs/MIXERS.md#deltanet,
+"Triton form").
 
-The WY/UT chunked form of ``chunk.py``, split as flash-linear-attention splits it: what has no state in it runs as
-batched PyTorch over every chunk at once (the per-chunk solve for W and U, the in-chunk attention, the output
-``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ``), and only the sequential part, the scan over chunks, is a kernel:
+The WY/UT chunked form of ``chunk.py``, split much as flash-linear-attention splits it. Kernels do:
+- the UT transform, one program per (chunk, head): ``A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹`` by forward
+  substitution, ``W = A (β e^D K)``, ``U = A (β V)``; backward, with ``X = β e^D K``, ``Y = β V``:
+  ``dX = Aᵀ dW``, ``dY = Aᵀ dU``, ``dA = dW Xᵀ + dU Yᵀ`` and through the inverse ``dM = −Aᵀ dA Aᵀ`` (strictly
+  lower), whence dK, dβ and the log-gate's gradient;
+- the scan over chunks, one program per (document, head, block of value channels):
 
     forward, chunk after chunk:   Δ = U − W S,   S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ
     backward, in reverse, G the gradient of the state leaving the chunk:
         dΔ = dΔ_out + (K ⊙ e^{D_C − D}) G,   G ← dS_out + e^{D_C} G − Wᵀ dΔ
 
-(``dΔ_out``, ``dS_out``: what the output stage hands back for Δ and for the state entering the chunk). The rest of
-the scan's gradient is batched again: ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``,
-``d e^{D_C} = Σ S ⊙ G``; β's and g's gradients follow by autograd through the solve and the cumulative sum.
+  (``dΔ_out``, ``dS_out``: what the output stage hands back for Δ and for the state entering the chunk), then
+  batched ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``.
+Batched PyTorch does the rest: the cumulative log-gate, Γ, the output ``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ``, and
+autograd between the pieces.
 
 Chunks start at each document's first token (packed documents are sequences of their own, as in the linear
 attention kernels): a document's last chunk is padded with tokens of β = 0, g = 0, k = q = v = 0, which write
