@@ -164,8 +164,9 @@ def make_ops(B, T, H, D, chunk=64):
         return setup
 
     def gated(op, impl):
-        """Decayed linear attention (per-token log-decay) or the gated delta rule, ours (`chunk`, PyTorch) or fla's
-        kernels through our adapter (`fla`): the mixers of the decay and delta-rule issues."""
+        """Decayed linear attention (per-token log-decay) or the gated delta rule, ours (`chunk`, PyTorch; `triton`,
+        the decayed op's kernels) or fla's kernels through our adapter (`fla`): the mixers of the decay and
+        delta-rule issues."""
         def setup():
             q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
             if op == "delta":
@@ -189,6 +190,7 @@ def make_ops(B, T, H, D, chunk=64):
         ops["fla_chunk"] = fla(False)
         ops["fla_chunk_div"] = fla(True)
         ops["decay_fla"], ops["gated_delta_fla"] = gated("decay", "fla"), gated("delta", "fla")
+    ops["decay_triton"] = gated("decay", "triton")
     ops["decay_chunk"], ops["gated_delta_chunk"] = gated("decay", "chunk"), gated("delta", "chunk")
     return ops
 

@@ -124,11 +124,11 @@ def _backward_dq_kernel(
         v_c = _load(v, length, DV, start, 0, H, BT, BV)
         q_c = _load(q, length, DK, start, i_k * BK, H, BT, BK)
         k_c = _load(k, length, DK, start, i_k * BK, H, BT, BK)
-        dA = _mm(do_c, tl.trans(v_c), None, PRECISION)
+        scores = _mm(do_c, tl.trans(v_c), None, PRECISION)
+        diagonal = tl.sum(tl.where(rows[:, None] == rows[None, :], scores, 0.0), 1)
         dq_c = _mm(do_c, tl.trans(S.to(dtype)), None, PRECISION) * tl.exp(b)[:, None]
-        dq_c = _mm((dA * _decay_matrix(b, BT, True)).to(dtype), k_c, dq_c, PRECISION)
+        dq_c = _mm((scores * _decay_matrix(b, BT, True)).to(dtype), k_c, dq_c, PRECISION)
         tl.store(qdq + (start + rows) * H, tl.sum(q_c.to(tl.float32) * dq_c, 1), mask=start + rows < length)
-        diagonal = tl.sum(do_c.to(tl.float32) * v_c.to(tl.float32), 1)
         _store(dq, dq_c + diagonal[:, None] * k_c.to(tl.float32), length, DK, start, i_k * BK, H, BT, BK)
         if HAS_FINAL_GRAD and start + BT >= length:
             dS_T = tl.load(ds_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
@@ -161,13 +161,10 @@ def _backward_dk_dv_kernel(
     dg += i_b.to(tl.int64) * block_stride + origin
     k0 = i_b * BK if FOR_DK else 0
     v0 = 0 if FOR_DK else i_b * BV
-    rows = tl.arange(0, BT)
     ck, cv = k0 + tl.arange(0, BK), v0 + tl.arange(0, BV)
-    mk = ck < DK
-    dtype = q.dtype.element_ty
 
     state_offs = i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :]
-    state_mask = mk[:, None] & (cv < DV)[None, :]
+    state_mask = (ck < DK)[:, None] & (cv < DV)[None, :]
     dS = tl.zeros([BK, BV], dtype=tl.float32)
     later = tl.zeros([], dtype=tl.float32)  # Σ ∂L/∂G over the tokens after the chunk (these key channels' part)
     if HAS_FINAL_GRAD:
@@ -176,42 +173,59 @@ def _backward_dk_dv_kernel(
             later += tl.load(last_in + i_b * tl.num_programs(1) + i_nh)
 
     num_chunks = tl.cdiv(length, BT)
-    for i in range(num_chunks):
-        start = (num_chunks - 1 - i) * BT
-        mt = start + rows < length
-        b, b_last = _chunk_decay(g, start, length, H, BT)
-        q_c = _load(q, length, DK, start, k0, H, BT, BK)
-        do_c = _load(do, length, DV, start, v0, H, BT, BV)
-        if FOR_DK:
-            v_c = _load(v, length, DV, start, 0, H, BT, BV)
-            k_c = _load(k, length, DK, start, k0, H, BT, BK)
-            dA = (_mm(do_c, tl.trans(v_c), None, PRECISION) * _decay_matrix(b, BT, True)).to(dtype)
-            dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION) * tl.exp(b_last - b)[:, None]
-            qdq = tl.load(dg + (start + rows) * H, mask=mt, other=0.0)
-            if i == 0:  # the last chunk
-                x = tl.sum(k_c.to(tl.float32) * dk_c, 1)
-                dG = qdq - tl.sum(k_c.to(tl.float32) * _mm(tl.trans(dA), q_c, None, PRECISION), 1)
-                before = tl.sum(tl.where(rows[None, :] < rows[:, None], x[None, :], 0.0), 1)
-                tl.store(dg + (start + rows) * H, later + before + tl.cumsum(dG, 0, reverse=True), mask=mt)
-                dk_c = _mm(tl.trans(dA), q_c, dk_c, PRECISION)
-            else:
-                dk_c = _mm(tl.trans(dA), q_c, dk_c, PRECISION)
-                dG = qdq - tl.sum(k_c.to(tl.float32) * dk_c, 1)
-                tl.store(dg + (start + rows) * H, later + tl.cumsum(dG, 0, reverse=True), mask=mt)
-            later += tl.sum(dG, 0)
-            diagonal = tl.sum(do_c.to(tl.float32) * v_c.to(tl.float32), 1)
-            _store(dk, dk_c + diagonal[:, None] * q_c.to(tl.float32), length, DK, start, k0, H, BT, BK)
-        else:
-            k_c = _load(k, length, DK, start, 0, H, BT, BK)
-            dv_c = _mm(k_c, dS.to(dtype), None, PRECISION) * tl.exp(b_last - b)[:, None]
-            A = _mm(q_c, tl.trans(k_c), None, PRECISION) * _decay_matrix(b, BT, False)
-            dv_c = _mm(tl.trans(A.to(dtype)), do_c, dv_c, PRECISION)
-            _store(dv, dv_c, length, DV, start, v0, H, BT, BV)
-        q_start = (q_c.to(tl.float32) * tl.exp(b)[:, None]).to(dtype)
-        dS = _mm(tl.trans(q_start), do_c, dS * tl.exp(b_last), PRECISION)
+    PEEL: tl.constexpr = FOR_DK and HAS_FINAL_GRAD  # (without dS_T, x = 0 and the last chunk is like the others)
+    if PEEL and num_chunks > 0:  # the last chunk, where dS is dS_T alone
+        dS, later = _reverse_step(q, k, v, do, dk, dv, dg, g, dS, later, (num_chunks - 1) * BT, length, k0, v0, H,
+                                  DK, DV, BT, BK, BV, FOR_DK, True, PRECISION)
+    for i in range(1 if PEEL else 0, num_chunks):
+        dS, later = _reverse_step(q, k, v, do, dk, dv, dg, g, dS, later, (num_chunks - 1 - i) * BT, length, k0, v0,
+                                  H, DK, DV, BT, BK, BV, FOR_DK, False, PRECISION)
 
     if STORE_DS:
         tl.store(ds_out + state_offs, dS, mask=state_mask)
+
+
+@triton.jit
+def _reverse_step(q, k, v, do, dk, dv, dg, g, dS, later, start, length, k0, v0, H: tl.constexpr, DK: tl.constexpr,
+                  DV: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FOR_DK: tl.constexpr,
+                  LAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk of ``_backward_dk_dv_kernel``'s sweep (LAST: its document's last chunk): returns dS and ``later``
+    as they stand before the chunk."""
+    rows = tl.arange(0, BT)
+    mt = start + rows < length
+    dtype = q.dtype.element_ty
+    b, b_last = _chunk_decay(g, start, length, H, BT)
+    q_c = _load(q, length, DK, start, k0, H, BT, BK)
+    do_c = _load(do, length, DV, start, v0, H, BT, BV)
+    if FOR_DK:
+        v_c = _load(v, length, DV, start, 0, H, BT, BV)
+        k_c = _load(k, length, DK, start, k0, H, BT, BK)
+        scores = _mm(do_c, tl.trans(v_c), None, PRECISION)
+        diagonal = tl.sum(tl.where(rows[:, None] == rows[None, :], scores, 0.0), 1)
+        dA = (scores * _decay_matrix(b, BT, True)).to(dtype)
+        dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION) * tl.exp(b_last - b)[:, None]
+        qdq = tl.load(dg + (start + rows) * H, mask=mt, other=0.0)
+        if LAST:  # x_j, the state's terms, apart from the rest
+            x = tl.sum(k_c.to(tl.float32) * dk_c, 1)
+            own = _mm(tl.trans(dA), q_c, None, PRECISION)
+            dG = qdq - tl.sum(k_c.to(tl.float32) * own, 1)
+            before = tl.sum(tl.where(rows[None, :] < rows[:, None], x[None, :], 0.0), 1)
+            tl.store(dg + (start + rows) * H, later + before + tl.cumsum(dG, 0, reverse=True), mask=mt)
+            dk_c += own
+        else:
+            dk_c = _mm(tl.trans(dA), q_c, dk_c, PRECISION)
+            dG = qdq - tl.sum(k_c.to(tl.float32) * dk_c, 1)
+            tl.store(dg + (start + rows) * H, later + tl.cumsum(dG, 0, reverse=True), mask=mt)
+        later += tl.sum(dG, 0)
+        _store(dk, dk_c + diagonal[:, None] * q_c.to(tl.float32), length, DK, start, k0, H, BT, BK)
+    else:
+        k_c = _load(k, length, DK, start, 0, H, BT, BK)
+        dv_c = _mm(k_c, dS.to(dtype), None, PRECISION) * tl.exp(b_last - b)[:, None]
+        A = _mm(q_c, tl.trans(k_c), None, PRECISION) * _decay_matrix(b, BT, False)
+        dv_c = _mm(tl.trans(A.to(dtype)), do_c, dv_c, PRECISION)
+        _store(dv, dv_c, length, DV, start, v0, H, BT, BV)
+    q_start = (q_c.to(tl.float32) * tl.exp(b)[:, None]).to(dtype)
+    return _mm(tl.trans(q_start), do_c, dS * tl.exp(b_last), PRECISION), later
 
 
 # ---------------------------------------------------------------------------------------------------------
