@@ -24,6 +24,15 @@ CHUNK = 16
 DOCUMENTS = [0, 1, 5, 21, 22, 45]  # one-token documents; documents inside a chunk and across its boundaries
 
 
+@pytest.fixture(autouse=True)
+def unwritten_outputs_are_nan():
+    """Deterministic mode fills torch.empty with NaN (on CPU: some CUDA ops around the kernels have no such form), so
+    an element of an output or of a buffer between sweeps that no kernel wrote shows."""
+    torch.use_deterministic_algorithms(DEVICE == "cpu")
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
 def make_inputs(batch, T, heads, dk, dv, *, per_token=True, log_decay=None, seed=0):
     """Positive q, k (as after φ), signed v, and g per token (or per head): −U(0, 1), or log_decay·U(1, 1.1) around
     a given value; fp64 leaves on CPU."""
