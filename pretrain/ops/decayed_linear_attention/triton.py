@@ -109,33 +109,44 @@ def _backward_dq_kernel(
     v, do = v + origin * DV, do + origin * DV
     g += origin
     qdq += i_k.to(tl.int64) * block_stride + origin
-    rows = tl.arange(0, BT)
     ck, cv = i_k * BK + tl.arange(0, BK), tl.arange(0, BV)
-    dtype = q.dtype.element_ty
 
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_INITIAL:
         S += tl.load(s_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
                      mask=(ck < DK)[:, None] & (cv < DV)[None, :], other=0.0)
 
-    for start in range(0, length, BT):
-        b, b_last = _chunk_decay(g, start, length, H, BT)
-        do_c = _load(do, length, DV, start, 0, H, BT, BV)
-        v_c = _load(v, length, DV, start, 0, H, BT, BV)
-        q_c = _load(q, length, DK, start, i_k * BK, H, BT, BK)
-        k_c = _load(k, length, DK, start, i_k * BK, H, BT, BK)
-        scores = _mm(do_c, tl.trans(v_c), None, PRECISION)
-        diagonal = tl.sum(tl.where(rows[:, None] == rows[None, :], scores, 0.0), 1)
-        dq_c = _mm(do_c, tl.trans(S.to(dtype)), None, PRECISION) * tl.exp(b)[:, None]
-        dq_c = _mm((scores * _decay_matrix(b, BT, True)).to(dtype), k_c, dq_c, PRECISION)
-        tl.store(qdq + (start + rows) * H, tl.sum(q_c.to(tl.float32) * dq_c, 1), mask=start + rows < length)
-        _store(dq, dq_c + diagonal[:, None] * k_c.to(tl.float32), length, DK, start, i_k * BK, H, BT, BK)
-        if HAS_FINAL_GRAD and start + BT >= length:
-            dS_T = tl.load(ds_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
-                           mask=(ck < DK)[:, None] & (cv < DV)[None, :], other=0.0)
-            tl.store(last_in + i_k * tl.num_programs(1) + i_nh, tl.sum(tl.sum(S * dS_T, 1), 0) * tl.exp(b_last))
-        k_end = (k_c.to(tl.float32) * tl.exp(b_last - b)[:, None]).to(dtype)
-        S = _mm(tl.trans(k_end), v_c, S * tl.exp(b_last), PRECISION)
+    last = (tl.cdiv(length, BT) - 1) * BT  # the last chunk's start
+    for start in range(0, last if HAS_FINAL_GRAD else length, BT):
+        S = _dq_step(q, k, v, g, do, dq, qdq, S, start, length, i_k * BK, H, DK, DV, BT, BK, BV, PRECISION)
+    if HAS_FINAL_GRAD and length > 0:  # the last chunk apart: S enters it
+        start = last
+        _, b_last = _chunk_decay(g, start, length, H, BT)
+        dS_T = tl.load(ds_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
+                       mask=(ck < DK)[:, None] & (cv < DV)[None, :], other=0.0)
+        tl.store(last_in + i_k * tl.num_programs(1) + i_nh, tl.sum(tl.sum(S * dS_T, 1), 0) * tl.exp(b_last))
+        _dq_step(q, k, v, g, do, dq, qdq, S, start, length, i_k * BK, H, DK, DV, BT, BK, BV, PRECISION)
+
+
+@triton.jit
+def _dq_step(q, k, v, g, do, dq, qdq, S, start, length, k0, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk of ``_backward_dq_kernel``'s sweep: writes its dq and ``q·dq``, returns the state leaving it."""
+    rows = tl.arange(0, BT)
+    dtype = q.dtype.element_ty
+    b, b_last = _chunk_decay(g, start, length, H, BT)
+    do_c = _load(do, length, DV, start, 0, H, BT, BV)
+    v_c = _load(v, length, DV, start, 0, H, BT, BV)
+    q_c = _load(q, length, DK, start, k0, H, BT, BK)
+    k_c = _load(k, length, DK, start, k0, H, BT, BK)
+    scores = _mm(do_c, tl.trans(v_c), None, PRECISION)
+    diagonal = tl.sum(tl.where(rows[:, None] == rows[None, :], scores, 0.0), 1)
+    dq_c = _mm(do_c, tl.trans(S.to(dtype)), None, PRECISION) * tl.exp(b)[:, None]
+    dq_c = _mm((scores * _decay_matrix(b, BT, True)).to(dtype), k_c, dq_c, PRECISION)
+    tl.store(qdq + (start + rows) * H, tl.sum(q_c.to(tl.float32) * dq_c, 1), mask=start + rows < length)
+    _store(dq, dq_c + diagonal[:, None] * k_c.to(tl.float32), length, DK, start, k0, H, BT, BK)
+    k_end = (k_c.to(tl.float32) * tl.exp(b_last - b)[:, None]).to(dtype)
+    return _mm(tl.trans(k_end), v_c, S * tl.exp(b_last), PRECISION)
 
 
 @triton.jit
