@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pretrain.attention import build_mixer
 from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.first_use import forget_verdicts
 from pretrain.ops.linear_attention.state import FIELDS, LinearAttentionState
@@ -182,3 +183,20 @@ def test_auto_keeps_to_chunk_when_the_kernel_fails_its_check(monkeypatch, as_on_
     assert len(dla._RUN["triton"].calls) == 1
     torch.testing.assert_close(got, decayed_linear_attention(q, k, v, g, normalize="divisive", impl="chunk"),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["retnet", "mamba2"])
+def test_mixers_run_on_the_kernels_unchanged(name):
+    """RetNet (a decay per head) and Mamba-2 (a gate per token) with ``impl="triton"``, packed documents: the output
+    and every parameter's gradient as with ``impl="chunk"``, fp32."""
+    torch.manual_seed(0)
+    mixer = build_mixer(name, 32, 2, causal=True, options=dict(chunk_size=CHUNK)).to(DEVICE)
+    x = torch.randn(1, 30, 32, device=DEVICE)
+    cu = torch.tensor([0, 11, 30], dtype=torch.int32, device=DEVICE)
+    found = []
+    for impl in ("triton", "chunk"):
+        mixer.impl = impl
+        y = mixer(x, cu_seqlens=cu)
+        found.append([y.detach(), *torch.autograd.grad(y.square().sum(), list(mixer.parameters()))])
+    for got, want in zip(*found, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
