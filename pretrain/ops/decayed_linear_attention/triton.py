@@ -137,12 +137,12 @@ def _dq_step(q, k, v, g, do, dq, qdq, S, start, length, k0, H: tl.constexpr, DK:
     b, b_last = _chunk_decay(g, start, length, H, BT)
     do_c = _load(do, length, DV, start, 0, H, BT, BV)
     v_c = _load(v, length, DV, start, 0, H, BT, BV)
-    q_c = _load(q, length, DK, start, k0, H, BT, BK)
-    k_c = _load(k, length, DK, start, k0, H, BT, BK)
     scores = _mm(do_c, tl.trans(v_c), None, PRECISION)
     diagonal = tl.sum(tl.where(rows[:, None] == rows[None, :], scores, 0.0), 1)
     dq_c = _mm(do_c, tl.trans(S.to(dtype)), None, PRECISION) * tl.exp(b)[:, None]
+    k_c = _load(k, length, DK, start, k0, H, BT, BK)
     dq_c = _mm((scores * _decay_matrix(b, BT, True)).to(dtype), k_c, dq_c, PRECISION)
+    q_c = _load(q, length, DK, start, k0, H, BT, BK)  # (tiles loaded where first used: fewer spills)
     tl.store(qdq + (start + rows) * H, tl.sum(q_c.to(tl.float32) * dq_c, 1), mask=start + rows < length)
     _store(dq, dq_c + diagonal[:, None] * k_c.to(tl.float32), length, DK, start, k0, H, BT, BK)
     k_end = (k_c.to(tl.float32) * tl.exp(b_last - b)[:, None]).to(dtype)
@@ -210,12 +210,12 @@ def _reverse_step(q, k, v, do, dk, dv, dg, g, dS, later, start, length, k0, v0, 
     do_c = _load(do, length, DV, start, v0, H, BT, BV)
     if FOR_DK:
         v_c = _load(v, length, DV, start, 0, H, BT, BV)
-        k_c = _load(k, length, DK, start, k0, H, BT, BK)
         scores = _mm(do_c, tl.trans(v_c), None, PRECISION)
         diagonal = tl.sum(tl.where(rows[:, None] == rows[None, :], scores, 0.0), 1)
         dA = (scores * _decay_matrix(b, BT, True)).to(dtype)
         dk_c = _mm(v_c, tl.trans(dS.to(dtype)), None, PRECISION) * tl.exp(b_last - b)[:, None]
         qdq = tl.load(dg + (start + rows) * H, mask=mt, other=0.0)
+        k_c = _load(k, length, DK, start, k0, H, BT, BK)  # (loaded where first used: fewer spills)
         if LAST:  # x_j, the state's terms, apart from the rest
             x = tl.sum(k_c.to(tl.float32) * dk_c, 1)
             own = _mm(tl.trans(dA), q_c, None, PRECISION)
