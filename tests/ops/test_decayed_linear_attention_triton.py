@@ -118,6 +118,22 @@ def test_head_width_128():
     compare(tensors, make_state(2, 2, 128, 32, "none"), cu_seqlens=cu)
 
 
+def test_gradients_through_the_final_state_alone():
+    """Only the final state is used (a sequence-parallel rank's hand-off): o's gradient is None inside the kernels'
+    backward; the gradients of k, v, g and the initial state as the chunked form's, q's zero."""
+    q, k, v, g = (x.detach().float().requires_grad_() for x in make_inputs(1, 40, 2, 8, 12, seed=6))
+    S = make_state(1, 2, 8, 12, "none").S.detach().float().requires_grad_()
+    found = []
+    for impl in ("triton", "chunk"):
+        _, final = decayed_linear_attention(q, k, v, g, initial_state=LinearAttentionState(S), output_final_state=True,
+                                            chunk_size=CHUNK, impl=impl)
+        found.append(torch.autograd.grad(final.S.square().sum(), [q, k, v, g, S], allow_unused=True))
+    (dq, *got), (unused, *want) = found
+    assert unused is None and not dq.any()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 

@@ -257,13 +257,14 @@ class _DecayedLinearAttention(torch.autograd.Function):
             STORE_FINAL=True, BK=geo.BK_full, BV=geo.BV_split, **geo.common())
         ctx.save_for_backward(q, k, v, g, S_0)
         ctx.geo = geo
+        ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no dS_T terms to run
         return o, S_T
 
     @staticmethod
     def backward(ctx, do, dS_T):
         q, k, v, g, S_0 = ctx.saved_tensors
         geo, dev = ctx.geo, q.device
-        do = do.to(q.dtype).contiguous()
+        do = torch.zeros_like(v, dtype=q.dtype) if do is None else do.to(q.dtype).contiguous()
         split_k = dict(BK=geo.BK_split, BV=geo.BV_full)  # dq, dk: a block of key channels, every value channel
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dg = torch.empty(geo.NK, geo.tokens, geo.H, dtype=torch.float32, device=dev)  # per key block, then summed
