@@ -105,6 +105,15 @@ def check(results):
         if chunk_linear_attn is not None:
             o_fla, _ = chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize == "divisive")
             log(f"check big {normalize}: fla-core vs naive {rel(o_fla, ref):.1e}")
+    # the decayed op's kernels at the same shape, a gate per token, against its chunked form in fp64: o, dq, dk, dv, dg
+    g = (-0.1 * torch.rand(2, 2048, 4, device=DEV)).requires_grad_()
+    o = decayed_linear_attention(q, k, v, g, impl="triton")
+    ref = decayed_linear_attention(q.double(), k.double(), v.double(), g.double(), impl="chunk")
+    go = torch.randn_like(o)
+    grads = zip(torch.autograd.grad(o, (q, k, v, g), go), torch.autograd.grad(ref, (q, k, v, g), go.double()))
+    errs = [rel(o, ref)] + [rel(a, b) for a, b in grads]
+    rows.append(dict(op="decayed", shape="2x2048x4x128 bf16", errors=errs))
+    log("check big decayed: " + " ".join(f"{e:.1e}" for e in errs))
 
 
 # ------------------------------------------------------------------------------------------------ ceilings
