@@ -184,11 +184,11 @@ def _backward_dk_dv_kernel(
             later += tl.load(last_in + i_b * tl.num_programs(1) + i_nh)
 
     num_chunks = tl.cdiv(length, BT)
-    PEEL: tl.constexpr = FOR_DK and HAS_FINAL_GRAD  # (without dS_T, x = 0 and the last chunk is like the others)
-    if PEEL and num_chunks > 0:  # the last chunk, where dS is dS_T alone
+    # the last chunk apart, where dS is dS_T alone (without dS_T, x = 0 and it is like the others)
+    if FOR_DK and HAS_FINAL_GRAD and num_chunks > 0:
         dS, later = _reverse_step(q, k, v, do, dk, dv, dg, g, dS, later, (num_chunks - 1) * BT, length, k0, v0, H,
                                   DK, DV, BT, BK, BV, FOR_DK, True, PRECISION)
-    for i in range(1 if PEEL else 0, num_chunks):
+    for i in range(1 if FOR_DK and HAS_FINAL_GRAD else 0, num_chunks):
         dS, later = _reverse_step(q, k, v, do, dk, dv, dg, g, dS, later, (num_chunks - 1 - i) * BT, length, k0, v0,
                                   H, DK, DV, BT, BK, BV, FOR_DK, False, PRECISION)
 
