@@ -90,7 +90,7 @@ def compare(tensors, state, tol=1e-5, dtype=torch.float32, **kwargs):
 def test_matches_chunk_fp32(normalize, packed):
     """T not a multiple of the chunk, Dk ≠ Dv (neither a power of two), per-token decay, an initial state, the final
     state, every gradient; packed: one-token documents and documents straddling chunks."""
-    batch, T, cu = (1, 45, torch.tensor(DOCUMENTS)) if packed else (2, 37, None)
+    batch, T, cu = (1, 45, torch.tensor(DOCUMENTS, device=DEVICE)) if packed else (2, 37, None)
     tensors = make_inputs(batch, T, 2, 12, 20, seed=int(packed))
     state = make_state(batch if cu is None else cu.numel() - 1, 2, 12, 20, normalize)
     compare(tensors, state, normalize=normalize, cu_seqlens=cu)
@@ -100,7 +100,7 @@ def test_matches_chunk_fp32(normalize, packed):
 def test_gates_near_minus_20_and_near_0(log_decay):
     """g ≈ −20 (each token all but forgets the past, dg ≈ e⁻²⁰) and g ≈ −10⁻⁶, across packed documents, with the
     final state's gradient."""
-    cu = torch.tensor([0, 3, 20, 21, 45])
+    cu = torch.tensor([0, 3, 20, 21, 45], device=DEVICE)
     tensors = make_inputs(1, 45, 2, 12, 20, log_decay=log_decay, seed=3)
     compare(tensors, make_state(4, 2, 12, 20, "none"), cu_seqlens=cu)
 
@@ -113,7 +113,7 @@ def test_one_decay_per_head_at_head_width_64():
 
 def test_head_width_128():
     """D = 128: two key blocks, whose parts of dg (and of the final state's term in it) add up; packed."""
-    cu = torch.tensor([0, 7, 30])
+    cu = torch.tensor([0, 7, 30], device=DEVICE)
     tensors = make_inputs(1, 30, 2, 128, 32, seed=5)
     compare(tensors, make_state(2, 2, 128, 32, "none"), cu_seqlens=cu)
 
@@ -121,8 +121,8 @@ def test_head_width_128():
 def test_gradients_through_the_final_state_alone():
     """Only the final state is used (a sequence-parallel rank's hand-off): o's gradient is None inside the kernels'
     backward; the gradients of k, v, g and the initial state as the chunked form's, q's zero."""
-    q, k, v, g = (x.detach().float().requires_grad_() for x in make_inputs(1, 40, 2, 8, 12, seed=6))
-    S = make_state(1, 2, 8, 12, "none").S.detach().float().requires_grad_()
+    q, k, v, g = (x.detach().to(DEVICE, torch.float32).requires_grad_() for x in make_inputs(1, 40, 2, 8, 12, seed=6))
+    S = make_state(1, 2, 8, 12, "none").S.detach().to(DEVICE, torch.float32).requires_grad_()
     found = []
     for impl in ("triton", "chunk"):
         _, final = decayed_linear_attention(q, k, v, g, initial_state=LinearAttentionState(S), output_final_state=True,
@@ -150,7 +150,7 @@ def test_half_precision_accumulates_in_fp32(normalize, dtype):
 
 
 def test_refuses_fp64():
-    q, k, v, g = (x.detach() for x in make_inputs(1, 5, 1, 4, 4))
+    q, k, v, g = (x.detach().to(DEVICE) for x in make_inputs(1, 5, 1, 4, 4))
     with pytest.raises(ValueError, match="impl='triton' takes fp32, bf16 or fp16; got torch.float64"):
         decayed_linear_attention(q, k, v, g, impl="triton")
 
