@@ -49,7 +49,11 @@ doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
   - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
 """)
 PYEOF
 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $PY -m lm_eval --model hf \

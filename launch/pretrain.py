@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 from pretrain.cli_help import HelpFormatter
+from pretrain.exit_codes import CONFIG_ERROR, CORRUPT_SHARD, FAILED, FINISHED, PREEMPTED
 
 
 def _where_full(err: Exception, run_dir: str) -> str:
@@ -46,36 +47,49 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.config import ConfigError
     from pretrain.tasks.config_checks import load_run_config
 
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
         cfg = load_run_config(args.config, args.overrides)
         if args.dry_run:
             from pretrain.estimate import estimate
 
-            world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+            world_size = args.world_size or world_size
             print(json.dumps(estimate(cfg, world_size)))
-            return 0
+            return FINISHED
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        if rank == 0:  # every rank reads the same config: said once
+            print(f"config error: {err}", file=sys.stderr)
+        return CONFIG_ERROR
 
     from pretrain.data import ShardError
     from pretrain.distributed.build_locks import StaleLockError
     from pretrain.train import CheckpointError, NonFiniteLossError, RankLostError, train
-    from pretrain.train.preemption import PREEMPTED
+    from pretrain.train.loop import CorruptShardStop
     from pretrain.train.run_lock import RunDirLockedError
 
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    on_rank = f" on rank {rank}" if world_size > 1 else ""
     try:
         stopped = train(cfg)
     except (ConfigError, StaleLockError, RunDirLockedError) as err:  # every rank finds the same: said once
         if rank == 0:
             print(f"{'config error' if isinstance(err, ConfigError) else 'error'}: {err}", file=sys.stderr)
-        return 1
+        return CONFIG_ERROR if isinstance(err, ConfigError) else FAILED
+    except CorruptShardStop as err:  # every rank saved and stops; the rank that met the shard names it
+        if err.met:
+            print(f"error{on_rank}: {err}", file=sys.stderr)
+        return CORRUPT_SHARD
     except (NonFiniteLossError, RankLostError, ShardError, CheckpointError, OSError) as err:  # one line, no traceback
-        print(f"error{f' on rank {rank}' if world_size > 1 else ''}: {err}{_where_full(err, cfg.run.dir)}",
-              file=sys.stderr)
-        return 1
-    return PREEMPTED if stopped else 0  # a stop signal: saved, not finished (a scheduler requeues on it)
+        print(f"error{on_rank}: {err}{_where_full(err, cfg.run.dir)}", file=sys.stderr)
+        return FAILED
+    return PREEMPTED if stopped else FINISHED  # a stop signal: saved, not finished (a scheduler requeues on it)
+
+
+def leave_exit_code(code: int) -> None:
+    """Leave this rank's exit status where launch/torchrun.py reads it after a signal (its agent's own account of
+    the ranks is lost then)."""
+    directory = os.environ.get("PRETRAIN_EXIT_CODES_DIR")  # launch/torchrun.py's EXIT_CODES_DIR
+    if directory and os.path.isdir(directory):
+        Path(directory, os.environ.get("RANK", "0")).write_text(str(code))
 
 
 def leave(code: int):
@@ -90,7 +104,8 @@ def leave(code: int):
 
 if __name__ == "__main__":
     code = main()
-    trained = sys.modules.get("pretrain.train.preemption")  # imported when a run was set up
-    if trained is not None and code in (0, trained.PREEMPTED):  # finished, or stopped and saved; errors exit as usual
+    leave_exit_code(code)
+    trained = "pretrain.train.loop" in sys.modules  # a run was set up (its process group joined and left)
+    if trained and code in (FINISHED, PREEMPTED, CORRUPT_SHARD):  # ended as planned, saved; errors exit as usual
         leave(code)
     sys.exit(code)

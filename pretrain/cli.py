@@ -27,6 +27,7 @@ def _command(script: str) -> Callable[[], None]:
 
 
 train = _command("launch/pretrain.py")
+torchrun = _command("launch/torchrun.py")
 eval_ppl = _command("tools/eval_ppl.py")
 eval_cls = _command("tools/eval_cls.py")
 generate = _command("tools/generate.py")
@@ -34,3 +35,5 @@ make_shards = _command("tools/make_shards.py")
 train_tokenizer = _command("tools/train_tokenizer.py")
 compare_mixers = _command("tools/compare_mixers.py")
 export = _command("tools/export.py")
+reshard = _command("tools/reshard.py")
+profile_step = _command("tools/profile_step.py")

@@ -102,6 +102,13 @@ class ScheduleConfig:
     decay_steps: int = 0  # wsd's final decay (steps)
 
 
+def fitted_warmup(warmup_steps: int, max_steps: int) -> int:
+    """The warmup a run of ``max_steps`` gets: ``schedule.warmup_steps``, or, when that is longer than the whole
+    run (a first ten-step try of a config made for hundreds), a tenth of the run, the share configs/tiny_lm.yaml
+    gives it. Shortened rather than refused: the try should run; the trainer says so in one line."""
+    return warmup_steps if warmup_steps <= max_steps else max(1, max_steps // 10)
+
+
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 0  # 0..3: 1 shards optimizer states, 2 also gradients, 3 also weights
@@ -117,6 +124,9 @@ class ParallelConfig:
     # ranks that split one sequence (task lm): each holds train.seq_len / N contiguous tokens of every row; the
     # world is world_size / N data-parallel replicas of N consecutive ranks (docs/SEQUENCE_PARALLEL.md)
     sequence_parallel: int = 1
+    # seconds a collective may wait for the slowest rank before the run fails; null keeps DeepSpeed's default (10
+    # minutes, or DEEPSPEED_TIMEOUT minutes). A resume's checkpoint conversion is waited for outside collectives
+    collective_timeout_s: float | None = None
 
 
 @dataclass
@@ -301,6 +311,8 @@ def _validate(cfg: DictConfig) -> None:
             "splits LM rows; task vision has none and task recall trains whole rows")
     require(cfg, "parallel.sequence_parallel", cfg.train.seq_len % sp == 0,
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
+    timeout = cfg.parallel.collective_timeout_s
+    require(cfg, "parallel.collective_timeout_s", timeout is None or timeout > 0, "must be > 0 (or null)")
 
     model = cfg.model
     if cfg.task in ("lm", "recall"):  # both are causal LMs
@@ -320,9 +332,8 @@ def _validate(cfg: DictConfig) -> None:
     require(cfg, "optim.betas", len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas),
              "must be two numbers in [0, 1)")
     sched, steps = cfg.schedule, cfg.train.max_steps
-    require(cfg, "schedule.warmup_steps", sched.warmup_steps <= steps, f"exceeds train.max_steps {steps}")
     if sched.name == "wsd":
-        require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - sched.warmup_steps,
+        require(cfg, "schedule.decay_steps", 0 < sched.decay_steps <= steps - fitted_warmup(sched.warmup_steps, steps),
                  "wsd needs 0 < decay_steps <= train.max_steps - schedule.warmup_steps")
 
     ds = cfg.deepspeed

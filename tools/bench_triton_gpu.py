@@ -105,6 +105,15 @@ def check(results):
         if chunk_linear_attn is not None:
             o_fla, _ = chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize == "divisive")
             log(f"check big {normalize}: fla-core vs naive {rel(o_fla, ref):.1e}")
+    # the decayed op's kernels at the same shape, a gate per token, against its chunked form in fp64: o, dq, dk, dv, dg
+    g = (-0.1 * torch.rand(2, 2048, 4, device=DEV)).requires_grad_()
+    o = decayed_linear_attention(q, k, v, g, impl="triton")
+    ref = decayed_linear_attention(q.double(), k.double(), v.double(), g.double(), impl="chunk")
+    go = torch.randn_like(o)
+    grads = zip(torch.autograd.grad(o, (q, k, v, g), go), torch.autograd.grad(ref, (q, k, v, g), go.double()))
+    errs = [rel(o, ref)] + [rel(a, b) for a, b in grads]
+    rows.append(dict(op="decayed", shape="2x2048x4x128 bf16", errors=errs))
+    log("check big decayed: " + " ".join(f"{e:.1e}" for e in errs))
 
 
 # ------------------------------------------------------------------------------------------------ ceilings
@@ -164,8 +173,9 @@ def make_ops(B, T, H, D, chunk=64):
         return setup
 
     def gated(op, impl):
-        """Decayed linear attention (per-token log-decay) or the gated delta rule, ours (`chunk`, PyTorch) or fla's
-        kernels through our adapter (`fla`): the mixers of the decay and delta-rule issues."""
+        """Decayed linear attention (per-token log-decay) or the gated delta rule, ours (`chunk`, PyTorch; `triton`,
+        the decayed op's kernels) or fla's kernels through our adapter (`fla`): the mixers of the decay and
+        delta-rule issues."""
         def setup():
             q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
             if op == "delta":
@@ -189,7 +199,9 @@ def make_ops(B, T, H, D, chunk=64):
         ops["fla_chunk"] = fla(False)
         ops["fla_chunk_div"] = fla(True)
         ops["decay_fla"], ops["gated_delta_fla"] = gated("decay", "fla"), gated("delta", "fla")
+    ops["decay_triton"] = gated("decay", "triton")
     ops["decay_chunk"], ops["gated_delta_chunk"] = gated("decay", "chunk"), gated("delta", "chunk")
+    ops["gated_delta_triton"] = gated("delta", "triton")  # issue 45's goal: ≤ 1.5× linear_triton at 16k
     return ops
 
 

@@ -93,7 +93,7 @@ def main() -> int:
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     step(f"train a small LM with DeepSpeed on {args.ranks} CPU ranks",
-         [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
+         [py, "launch/torchrun.py", "--standalone", f"--nproc_per_node={args.ranks}",  # torchrun, quieter
           "launch/pretrain.py", "--config", "configs/tiny_lm.yaml",
           f"run.dir={run}", f"data.tokenizer={tok}.model",
           f"data.train_shards={data / 'shards' / 'train'}", f"data.val_shards={data / 'shards' / 'valid'}",

@@ -1,4 +1,5 @@
-"""Compile the linear-attention kernels for a GPU that is not here, and print what the compiler gives each one.
+"""Compile the linear-attention kernels (or the decayed op's: ``--op decayed``) for a GPU that is not here, and
+print what the compiler gives each one.
 
     python tools/triton_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
 
@@ -21,13 +22,14 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pretrain.cli_help import HelpFormatter
+from pretrain.ops.decayed_linear_attention import triton as decayed_kernels
 from pretrain.ops.linear_attention import triton as kernels
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def signature(fn, dtype, constexprs):
-    """Argument types by the kernels' naming: inputs/outputs in ``dtype``, states and per-token values fp32."""
+def signature(fn, dtype, constexprs, in_dtype):
+    """Argument types by the kernels' naming: ``in_dtype`` names in ``dtype``, states and per-token values fp32."""
     types = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -40,15 +42,20 @@ def signature(fn, dtype, constexprs):
             types[name] = "fp32"
         elif name == "cu_seqlens":
             types[name] = "*i32"
-        elif name in ("q", "k", "v", "o", "g", "dq", "dk"):
+        elif name in in_dtype:
             types[name] = f"*{dtype}"
         else:
             types[name] = "*fp32"
     return types
 
 
-def report(fn, constexprs, warps, stages, arch, dtype):
-    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs), constexprs=constexprs)
+# The tensors in the input dtype: the undecayed kernels call dO "g"; the decayed ones call the log-decay g (fp32)
+IN_DTYPE = {"linear": ("q", "k", "v", "o", "g", "dq", "dk", "dv"), "decayed": ("q", "k", "v", "o", "do", "dq", "dk",
+                                                                            "dv")}
+
+
+def report(fn, constexprs, warps, stages, arch, dtype, op):
+    src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs, IN_DTYPE[op]), constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
@@ -77,6 +84,8 @@ def main():
     p.add_argument("--normalize", default="divisive", choices=sorted(kernels.NORMALIZE_CODES))
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
+    p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
+                   help="linear attention's kernels, or decayed linear attention's (--normalize does not apply)")
     a = p.parse_args()
     d = a.head_dim
     scaled = a.normalize != "none"
@@ -95,13 +104,21 @@ def main():
                          **flags)
             dk = dict(split_k, FOR_DK=True, HAS_DU=False, **sweep)
             dv = dict(split_v, FOR_DK=False, HAS_DU=a.normalize == "subtractive", **sweep)
-            print(f"block={block} warps={warps} stages={stages} chunk={chunk} ({a.normalize}, {a.dtype}, "
-                  f"sm_{a.arch}, D={d})", flush=True)
-            for name, fn, constexprs in (("forward", kernels._forward_kernel, forward),
-                                         ("dq", kernels._backward_dq_kernel, dq),
-                                         ("dk", kernels._backward_dk_dv_kernel, dk),
-                                         ("dv", kernels._backward_dk_dv_kernel, dv)):
-                print(f"  {name:8s} {report(fn, constexprs, warps, stages, a.arch, a.dtype)}", flush=True)
+            if a.op == "decayed":
+                source = decayed_kernels
+                forward = dict(split_v, HAS_INITIAL=False, STORE_FINAL=False)
+                dq = dict(split_k, HAS_INITIAL=False, HAS_FINAL_GRAD=False)
+                dk = dict(split_k, FOR_DK=True, HAS_FINAL_GRAD=False, STORE_DS=False)
+                dv = dict(split_v, FOR_DK=False, HAS_FINAL_GRAD=False, STORE_DS=False)
+            else:
+                source = kernels
+            print(f"block={block} warps={warps} stages={stages} chunk={chunk} ({a.op}, "
+                  f"{'' if a.op == 'decayed' else a.normalize + ', '}{a.dtype}, sm_{a.arch}, D={d})", flush=True)
+            for name, fn, constexprs in (("forward", source._forward_kernel, forward),
+                                         ("dq", source._backward_dq_kernel, dq),
+                                         ("dk", source._backward_dk_dv_kernel, dk),
+                                         ("dv", source._backward_dk_dv_kernel, dv)):
+                print(f"  {name:8s} {report(fn, constexprs, warps, stages, a.arch, a.dtype, a.op)}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -7,8 +7,8 @@ variant starts out as AFT-simple.
 
 Decoding (``step``, after ``prefill`` reads the prompt in parallel): ``aft_local`` and ``aft_simple`` carry a
 constant-size state — the prefix sums ``(Σ e^{K−m} V, Σ e^{K−m}, m)`` plus, for the window, the last ``window − 1``
-keys and values. ``aft_full``'s bias pairs every two positions, so its state is the keys and values so far,
-bounded by ``max_seq_len``.
+keys and values. ``aft_full``'s bias pairs every two positions, so its state is the keys and values so far and
+their number, bounded by ``max_seq_len``.
 """
 import torch
 from torch import nn
@@ -104,20 +104,27 @@ class AFTFull(_AFTBase):
         return aft_full(q, k, v, self.bias(), causal=self.causal, cu_seqlens=cu_seqlens)
 
     def step(self, x_t, state=None):
-        """One token ``[B, C]``; the state is ``(K, V)`` of the tokens so far (None at the start)."""
+        """One token ``[B, C]``; the state is ``(K, V)`` of the tokens so far and their number (None at the start):
+        an int, or each row's own ``[B]`` for prompts of different lengths, whose first keys are then left padding
+        (``pretrain.models.left_padded``), weighted 0 by a bias of −∞."""
         q, k, v = self._qkv_step(x_t)
-        keys, values = (k[:, None], v[:, None]) if state is None else (torch.cat([state[0], k[:, None]], 1),
-                                                                      torch.cat([state[1], v[:, None]], 1))
-        position = keys.shape[1] - 1
-        if position >= self.max_seq_len:
-            raise ValueError(f"aft_full: position {position} is beyond max_seq_len={self.max_seq_len}")
-        weights = torch.softmax(keys + self.bias()[position, : position + 1, None], dim=1)
-        return self.o_proj(torch.sigmoid(q) * (weights * values).sum(1)), (keys, values)
+        past_k, past_v, seen = state if state is not None else (None, None, 0)
+        keys, values = (k[:, None], v[:, None]) if past_k is None else (torch.cat([past_k, k[:, None]], 1),
+                                                                        torch.cat([past_v, v[:, None]], 1))
+        position = torch.as_tensor(seen, device=x_t.device).expand(k.shape[0])  # each row's own
+        if position.max() >= self.max_seq_len:
+            raise ValueError(f"aft_full: position {int(position.max())} is beyond max_seq_len={self.max_seq_len}")
+        # each key's position in its row's sequence; a left pad's is negative
+        key_positions = torch.arange(keys.shape[1], device=k.device) - (keys.shape[1] - 1 - position)[:, None]
+        bias = self.bias()[position[:, None], key_positions.clamp(min=0)]
+        bias = bias.masked_fill(key_positions < 0, float("-inf"))
+        weights = torch.softmax(keys + bias[:, :, None], dim=1)
+        return self.o_proj(torch.sigmoid(q) * (weights * values).sum(1)), (keys, values, seen + 1)
 
     def prefill(self, x):
-        """A whole prompt ``[B, T, C]`` → ``(y, state)``; the state is its keys and values."""
+        """A whole prompt ``[B, T, C]`` → ``(y, state)``; the state is its keys and values and their number."""
         y, k, v = self._mixed(x, None, None, None)
-        return y, (k, v)
+        return y, (k, v, x.shape[1])
 
     def flops_per_token(self, seq_len: int) -> float:
         """Four projections and the two bias matmuls (numerator, denominator) over ``seq_len`` (½ when causal)."""
@@ -213,11 +220,21 @@ class AFTConv(_AFTBase):
 
 def _prefix_state(k, v, *, recent):
     """``_decode_step``'s state after the tokens of ``k, v [B, T, C]``: the prefix sums relative to the max of K, and
-    the last ``recent`` keys and values, newest first."""
+    the last ``recent`` keys and values, newest first (``_before_start`` where there are fewer tokens)."""
     running_max = k.max(dim=1).values
     exp_k = (k - running_max[:, None]).exp()
     last = slice(max(0, k.shape[1] - recent), None)
-    return (exp_k * v).sum(1), exp_k.sum(1), running_max, k[:, last].flip(1), v[:, last].flip(1)
+    missing_k, missing_v = _before_start(k, max(0, recent - k.shape[1]))
+    return ((exp_k * v).sum(1), exp_k.sum(1), running_max, torch.cat([k[:, last].flip(1), missing_k], 1),
+            torch.cat([v[:, last].flip(1), missing_v], 1))
+
+
+def _before_start(k, count):
+    """``count`` recent keys and values ``[B, count, C]`` before the first token: keys of −∞, which the band weighs
+    exactly 0, and zero values. The state's shape then does not depend on the prompt's length (``step`` takes prompts
+    of different lengths together, ``pretrain.models.left_padded``)."""
+    shape = (k.shape[0], count, k.shape[-1])
+    return k.new_full(shape, float("-inf")), k.new_zeros(shape)
 
 
 def _aft_state(k, v, mask) -> list[torch.Tensor]:
@@ -237,8 +254,8 @@ def _decode_step(mixer, x_t, state, rel_bias):
     (q, k, v), tails = mixer.qkv_continuing(x_t[:, None], tails)
     q, k, v = q[:, 0], k[:, 0], v[:, 0]
     if state is None:
-        empty = k.new_zeros(k.shape[0], 0, k.shape[1])
-        state = (torch.zeros_like(k), torch.zeros_like(k), torch.full_like(k, float("-inf")), empty, empty)
+        recent = mixer.window - 1 if rel_bias is not None else 0
+        state = (torch.zeros_like(k), torch.zeros_like(k), torch.full_like(k, float("-inf")), *_before_start(k, recent))
     num, den, running_max, recent_k, recent_v = state
     new_max = torch.maximum(running_max, k)
     rescale, exp_k = (running_max - new_max).exp(), (k - new_max).exp()

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..ops.precision import upcast
+from ..scopes import NORM, scope
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        with scope(NORM):
+            return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -109,10 +109,12 @@ class Retention(Mixer):
 
     def forward_with_state(self, x, state):
         """The state is the op's ``S [B, H, D, D]``, the short convolutions' tails (None without ``short_conv``) and
-        the number of tokens seen (RoPE's next position)."""
+        the number of tokens seen (RoPE's next position): an int, or each row's own ``[B]`` for prompts of different
+        lengths (``pretrain.models.left_padded``)."""
         batch, seq_len, _ = x.shape
         attn_state, tails, seen = state if state is not None else (None, None, 0)
-        positions = torch.arange(seen, seen + seq_len, device=x.device).expand(batch, seq_len)
+        seen_by_row = torch.as_tensor(seen, device=x.device).reshape(-1, 1)
+        positions = (seen_by_row + torch.arange(seq_len, device=x.device)).expand(batch, seq_len)
         (q, k, v), tails = self.qkv_continuing(x, tails)
         q, k, v = self._rotated(q, k, v, positions)
         impl = "recurrent" if seq_len == 1 else self.impl  # one decoded token: no chunks to set up

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention
+from ..ops.softmax import IMPLS
 from ..parallel import gather_positions, slice_layout
 from .base import Mixer
 from .norm import RMSNorm
@@ -23,16 +24,22 @@ class SoftmaxAttention(Mixer):
     information (a convolution on the grid).
 
     ``qk_norm`` RMS-normalizes q and k per head before RoPE, which keeps attention logits bounded in large models.
+    ``impl`` is ``softmax_attention``'s (``auto``: the varlen kernels on CUDA after their first-use check).
+
+    Packed documents go to the op as one row of B·T tokens with the row length as ``max_seqlen``: every row starts
+    a document (``cu_seqlens_from_position_ids``), so none is longer, and the bound needs nothing read from the GPU.
     """
 
     supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, rope_theta: float = 10000.0,
-                 qk_norm: bool = False, qkv_bias: bool = False, o_bias: bool = False):
+                 qk_norm: bool = False, impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False):
         super().__init__(dim, num_heads, causal=causal, qkv_bias=qkv_bias, o_bias=o_bias)
         if self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension; dim {dim} / num_heads {num_heads} = {self.head_dim}")
-        self.rope_theta = rope_theta
+        if impl not in IMPLS:
+            raise ValueError(f"softmax's impl must be one of {IMPLS}; got {impl!r}")
+        self.rope_theta, self.impl = rope_theta, impl
         eps = torch.finfo(torch.float32).eps  # nn.RMSNorm's default for fp32, which these norms used to be
         self.q_norm = RMSNorm(self.head_dim, eps=eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps=eps) if qk_norm else nn.Identity()
@@ -48,7 +55,8 @@ class SoftmaxAttention(Mixer):
         else:
             if cu_seqlens is not None:  # packed documents: one row of B*T tokens
                 q, k, v = (t.reshape(1, batch * seq_len, self.num_heads, self.head_dim) for t in (q, k, v))
-            out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens)
+            out = softmax_attention(q, k, v, causal=self.causal, cu_seqlens=cu_seqlens, max_seqlen=seq_len,
+                                    impl=self.impl)
         return self.o_proj(out.reshape(batch, seq_len, self.dim))
 
     def check_sequence_parallel(self, size: int, slice_len: int) -> None:
@@ -65,7 +73,8 @@ class SoftmaxAttention(Mixer):
 
         def attend(q, k, v):  # [B, T, H/N, D], whole rows
             packed = (1, q.shape[0] * q.shape[1], *q.shape[2:])
-            out = softmax_attention(*(t.reshape(packed) for t in (q, k, v)), causal=self.causal, cu_seqlens=whole)
+            out = softmax_attention(*(t.reshape(packed) for t in (q, k, v)), causal=self.causal, cu_seqlens=whole,
+                                    max_seqlen=q.shape[1], impl=self.impl)
             return out.reshape(q.shape)
 
         return DistributedAttention(attend, shard.group, scatter_idx=2, gather_idx=1)(q, k, v, 0)
@@ -74,16 +83,21 @@ class SoftmaxAttention(Mixer):
         """One token ``[B, C]`` → ``(y_t, state)``; the state is a KV cache: ``(keys, values, position)``.
 
         The cache grows by one key and value per token (``[B, t, H, D]``); the new token's q and k are rotated at
-        its ``position``, so decoding matches ``forward`` over the whole sequence.
+        its ``position``, so decoding matches ``forward`` over the whole sequence. ``position`` is an int, or each
+        row's own ``[B]`` for prompts of different lengths: a row's keys are then its last ``position + 1``, the
+        ones before them left padding (``pretrain.models.left_padded``), masked.
         """
         if not self.causal:
             raise ValueError("step decodes causally; this SoftmaxAttention was built with causal=False")
         batch = x_t.shape[0]
         past_k, past_v, position = state if state is not None else (None, None, 0)
-        q, k, v = self._qkv(x_t[:, None], torch.full((batch, 1), position, device=x_t.device, dtype=torch.long))
+        positions = torch.as_tensor(position, device=x_t.device).expand(batch)
+        q, k, v = self._qkv(x_t[:, None], positions[:, None])
         keys = k if past_k is None else torch.cat([past_k, k], dim=1)
         values = v if past_v is None else torch.cat([past_v, v], dim=1)
         scores = torch.einsum("bhd,bshd->bhs", q[:, 0], keys) * self.head_dim ** -0.5
+        pads = torch.arange(keys.shape[1], device=x_t.device) < keys.shape[1] - 1 - positions[:, None]
+        scores = scores.masked_fill(pads[:, None], float("-inf"))
         out = torch.einsum("bhs,bshd->bhd", scores.softmax(dim=-1), values)
         return self.o_proj(out.reshape(batch, self.dim)), (keys, values, position + 1)
 
@@ -93,7 +107,7 @@ class SoftmaxAttention(Mixer):
             raise ValueError("prefill starts causal decoding; this SoftmaxAttention was built with causal=False")
         batch, seq_len, _ = x.shape
         q, k, v = self._qkv(x, torch.arange(seq_len, device=x.device).expand(batch, seq_len))
-        out = softmax_attention(q, k, v, causal=True)
+        out = softmax_attention(q, k, v, causal=True, impl=self.impl)
         return self.o_proj(out.reshape(batch, seq_len, self.dim)), (k, v, seq_len)
 
     def _qkv(self, x, position_ids):

@@ -6,6 +6,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from pretrain.config import ConfigError
+from pretrain.scopes import OPTIMIZER, scope
 
 
 def deepspeed_config(cfg: DictConfig, world_size: int) -> dict:
@@ -93,10 +94,11 @@ def step_with_grad_norm(engine) -> float | None:
     """
     boundary = engine.is_gradient_accumulation_boundary()
     own_norm = None
-    if boundary and not hasattr(engine.optimizer, "_global_grad_norm"):
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        own_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
-    engine.step()
+    with scope(OPTIMIZER):
+        if boundary and not hasattr(engine.optimizer, "_global_grad_norm"):
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            own_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+        engine.step()
     if not boundary:
         return None
     return own_norm if own_norm is not None else float(engine.get_global_grad_norm())

@@ -1,8 +1,11 @@
 """One process group for every launcher: ``deepspeed``, ``torchrun`` and plain ``python`` (a world of one)."""
 import contextlib
+import datetime
 import io
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -63,6 +66,49 @@ def use_extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
 
 
+@contextlib.contextmanager
+def environment_ninja():
+    """Put this environment's ``ninja`` (the ``ninja`` package's, which DeepSpeed requires) first on ``PATH`` for a
+    JIT build, whatever the shell's ``PATH``: torch runs ``ninja`` from ``PATH``, and a venv activated or not found
+    its own ninja (1.13) or the system's (1.11), whose build logs differ, so each rebuilt the op the other had built
+    (85-110 s, every time the way python was started changed). Restored afterwards; unchanged without the package."""
+    try:
+        from ninja import BIN_DIR
+    except ImportError:
+        BIN_DIR = None
+    path = os.environ.get("PATH", "")
+    if BIN_DIR and os.path.isfile(os.path.join(BIN_DIR, "ninja")):
+        os.environ["PATH"] = os.pathsep.join([BIN_DIR, path])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def comm_op_build(extensions: str) -> str | None:
+    """What loading the comm op under ``extensions`` will cost: ``"builds"`` (never built there), ``"rebuilds"``
+    (ninja finds the build out of date: a changed source, compiler flag or ninja), None (it just loads). Asked of
+    the ninja the build will run (``ninja -n``, a dry run: milliseconds, nothing written)."""
+    build = os.path.join(extensions, COMM_OP)
+    if not os.path.exists(os.path.join(build, f"{COMM_OP}.so")):
+        return "builds"
+    with environment_ninja():
+        ninja = shutil.which("ninja")
+        if ninja is None or not os.path.exists(os.path.join(build, "build.ninja")):
+            return "builds"
+        dry = subprocess.run([ninja, "-n", "-C", build], capture_output=True, text=True)
+    return None if dry.returncode == 0 and "no work to do" in dry.stdout else "rebuilds"
+
+
+def comm_op_note(extensions: str) -> str | None:
+    """The line said before a (re)build, which would otherwise look like a hang; None when the op just loads."""
+    build = comm_op_build(extensions)
+    if build is None:
+        return None
+    why = " (its build is out of date)" if build == "rebuilds" else ""
+    return f"DeepSpeed {build} its CPU comm op under {extensions}{why}: about a minute, once per environment"
+
+
 def build_comm_op() -> None:
     """Build DeepSpeed's CPU comm op now, where ``use_extensions_dir`` puts it (``make setup`` calls this, so no
     test or run pays the minute, or dies in the middle of it under a timeout). Nothing to build on CUDA."""
@@ -70,17 +116,19 @@ def build_comm_op() -> None:
         return
     extensions = use_extensions_dir()
     check_build_locks()
-    if os.path.exists(os.path.join(extensions, COMM_OP, f"{COMM_OP}.so")):
+    note = comm_op_note(extensions)
+    if note is None:
         return
-    print(f"building DeepSpeed's CPU comm op under {extensions} (about a minute, once per environment)", flush=True)
+    print(note, flush=True)
     from deepspeed.accelerator import get_accelerator
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()), environment_ninja():
         get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 
 
-def init_process_group() -> World:
-    """Join the launcher's process group: nccl on CUDA, gloo on CPU.
+def init_process_group(timeout_s: float | None = None) -> World:
+    """Join the launcher's process group: nccl on CUDA, gloo on CPU; ``timeout_s`` bounds any collective's wait
+    (None: DeepSpeed's default).
 
     Launchers export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*; a plain ``python`` run has none, so it becomes a world
     of one on a free local port (DeepSpeed needs a process group even then).
@@ -99,16 +147,21 @@ def init_process_group() -> World:
     else:
         device, backend = torch.device("cpu"), "gloo"
         check_build_locks()  # DeepSpeed loads (or first builds) its CPU comm op in init_distributed
-        if not os.path.exists(os.path.join(extensions, COMM_OP, f"{COMM_OP}.so")):
-            said += f"; DeepSpeed builds its CPU comm op under {extensions} (about a minute, once per environment)"
+        note = comm_op_note(extensions)
+        if note:
+            said += f"; {note}"
     if os.environ["RANK"] == "0":
         print(said, file=sys.stderr, flush=True)
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" on every rank
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    # DeepSpeed's collectives call torch's all_gather_into_tensor, deprecated in favour of all_gather_single, which
-    # it now calls: the same op, and a FutureWarning from every rank of every ZeRO run that the user cannot act on
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
-                            category=FutureWarning)
+    # DeepSpeed prints "... built successfully" on every rank
+    timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    with contextlib.redirect_stdout(io.StringIO()), environment_ninja():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, **timeout)
+    # DeepSpeed's collectives call torch's all_gather_into_tensor and reduce_scatter_tensor, deprecated in favour of
+    # all_gather_single and reduce_scatter_single, which they now call: the same ops, and FutureWarnings the user
+    # cannot act on, from every rank of every ZeRO run (reduce_scatter's once a step: 20 lines in 10 ZeRO-3 steps)
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning)
     _unlink_shm_allreduce_buffer()
     processes = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(processes, (socket.gethostname(), os.getpid()))

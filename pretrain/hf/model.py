@@ -9,10 +9,11 @@ tails for the linear-state mixers, whatever a new mixer keeps): ``MixerStateCach
 ``model.generate`` decodes a new token in the time of one ``step`` whatever the prompt's length, and a new mixer
 needs nothing here.
 
-Rows of different lengths are refused while decoding: a left pad would enter a linear-state mixer's running sums,
-so batched prompts must have equal lengths (or be generated one at a time). A forward without a cache accepts right
-padding (what lm-evaluation-harness sends), whose pads come after every real token and so change none of their
-logits.
+Prompts of different lengths are decoded together padded on the left (what transformers' ``generate`` and
+lm-evaluation-harness's generative tasks send): each row's prompt is prefilled alone, so no pad enters a state
+(``pretrain.models.left_padded``), and each row decodes at its own positions. A forward without a cache also
+accepts right padding (what lm-evaluation-harness sends to score), whose pads come after every real token and so
+change none of their logits; left pads are there a document of their own, apart from the row's tokens.
 """
 from pathlib import Path
 
@@ -43,7 +44,8 @@ class MixerStateCache(Cache):
     def __init__(self):
         super().__init__(layers=[])
         self.states: list | None = None  # one per layer; None before the first tokens
-        self.seen = 0
+        self.seen = 0  # columns, pads included
+        self.pads: torch.Tensor | None = None  # each row's left pads [B] (prompts of different lengths), else None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -54,7 +56,7 @@ class MixerStateCache(Cache):
         return [False] * len(self.states or [])
 
     def reset(self) -> None:
-        self.states, self.seen = None, 0
+        self.states, self.seen, self.pads = None, 0, None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("a recurrent mixer state cannot be rolled back: MixerStateCache cannot be cropped")
@@ -69,7 +71,8 @@ class MixerStateCache(Cache):
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _map_rows(self, rows):
-        self.states = tree_map(lambda leaf: rows(leaf) if isinstance(leaf, torch.Tensor) else leaf, self.states)
+        self.states, self.pads = tree_map(lambda leaf: rows(leaf) if isinstance(leaf, torch.Tensor) else leaf,
+                                          (self.states, self.pads))
 
 
 class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
@@ -121,13 +124,25 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
             if unused.get(name) not in (None, False):
                 raise ValueError(f"PretrainForCausalLM does not support {name}")
         use_cache = cache is not None if use_cache is None else use_cache
-        _check_mask(attention_mask, input_ids.shape, decoding=use_cache)
+        pads = _left_pads(attention_mask, input_ids.shape[0], decoding=use_cache)
+        tokens = input_ids.shape[1]
         if use_cache:
             cache = cache if cache is not None else MixerStateCache()
-            _check_positions(position_ids, cache.seen, input_ids.shape[1])
-            logits, cache.states = self.forward_with_state(input_ids, cache.states, last=logits_to_keep)
-            cache.seen += input_ids.shape[1]
+            if cache.states is None:
+                cache.pads = pads
+            elif attention_mask is not None:
+                _check_same_pads(pads, cache.pads)
+            expected = _row_positions(cache.seen, tokens, cache.pads, input_ids.device)
+            _check_positions(position_ids, expected, f"continue the cache's {cache.seen} tokens")
+            starts = cache.pads if cache.states is None else None
+            logits, cache.states = self.forward_with_state(input_ids, cache.states, last=logits_to_keep,
+                                                           starts=starts)
+            cache.seen += tokens
         else:
+            if pads is not None:  # the left pads a document of their own, each row's tokens another from 0
+                expected = _row_positions(0, tokens, pads, input_ids.device)
+                _check_positions(position_ids, expected, "count each row's tokens from its first after the pads")
+                position_ids = torch.where(expected >= 0, expected, torch.arange(tokens, device=input_ids.device))
             logits = self._forward_lm(input_ids, position_ids=position_ids)
             logits = logits[:, -logits_to_keep:] if logits_to_keep else logits
             cache = None
@@ -145,28 +160,46 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
         (Path(save_directory) / TRANSFORMERS_MODULE).write_text(TRANSFORMERS_MODULE_SOURCE, encoding="utf-8")
 
 
-def _check_mask(attention_mask: torch.Tensor | None, shape: torch.Size, *, decoding: bool) -> None:
-    """Refuse an attention mask the states cannot honour: any padding while decoding, left padding or holes ever."""
+def _left_pads(attention_mask: torch.Tensor | None, batch: int, *, decoding: bool) -> torch.Tensor | None:
+    """Each row's pads before its first real token ``[B]`` (None: no row has any), from a 0/1 ``attention_mask``
+    whose rows are each one run of real tokens: left-padded, or right-padded where no state goes on after them
+    (a forward without a cache). Holes, and right padding while decoding, are refused."""
     if attention_mask is None:
-        return
-    if attention_mask.dim() != 2 or attention_mask.shape[0] != shape[0]:
-        raise ValueError(f"attention_mask must be [batch, tokens] 0/1; got {tuple(attention_mask.shape)} for input_ids "
-                         f"{tuple(shape)}")
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch:
+        raise ValueError(f"attention_mask must be [batch, tokens] 0/1; got {tuple(attention_mask.shape)} for a "
+                         f"batch of {batch}")
     mask = attention_mask.bool()
-    if decoding and not mask.all():
-        raise ValueError("PretrainForCausalLM decodes rows of equal length only: the attention mask has padding. "
-                         "Generate prompts of different lengths one at a time (a left pad would enter the "
-                         "recurrent states); in lm-evaluation-harness, run generative tasks with --batch_size 1")
-    if (mask[:, 1:] > mask[:, :-1]).any():
-        raise ValueError("attention_mask has a pad before a real token (left padding or a hole): pad on the right, "
-                         "or score the rows one at a time")
+    pads, real = (mask.cumsum(1) == 0).sum(1), mask.sum(1)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    if (real == 0).any() or not torch.equal(mask, (columns >= pads[:, None]) & (columns < (pads + real)[:, None])):
+        raise ValueError("attention_mask has a row without real tokens or a pad between two real tokens: each row "
+                         "must be one run of real tokens, padded on the left (or, without a cache, on the right)")
+    if decoding and (pads + real < mask.shape[1]).any():
+        raise ValueError("PretrainForCausalLM decodes left-padded rows only: the attention mask has a pad after a real "
+                         "token; pad on the left (tokenizer.padding_side = 'left', as generate expects)")
+    return pads if pads.any() else None
 
 
-def _check_positions(position_ids: torch.Tensor | None, seen: int, tokens: int) -> None:
-    """Decoding goes on from the states, at the positions after the ``seen`` tokens: other positions are refused."""
+def _row_positions(seen: int, tokens: int, pads: torch.Tensor | None, device) -> torch.Tensor:
+    """``[B or 1, tokens]``: the positions of columns ``seen …`` in each row's own sequence (negative: a left pad)."""
+    columns = torch.arange(seen, seen + tokens, device=device)[None]
+    return columns if pads is None else columns - pads.to(device)[:, None]
+
+
+def _check_same_pads(pads: torch.Tensor | None, cached: torch.Tensor | None) -> None:
+    """A mask while decoding must pad each row as the prompt's did: the cache's states were prefilled so."""
+    if (pads is None) != (cached is None) or (pads is not None and not torch.equal(pads, cached.to(pads.device))):
+        describe = lambda p: "none" if p is None else p.tolist()
+        raise ValueError(f"attention_mask's left pads per row ({describe(pads)}) are not those the cache's prompt "
+                         f"had ({describe(cached)}): decode on with the mask the prompt was prefilled with")
+
+
+def _check_positions(position_ids: torch.Tensor | None, expected: torch.Tensor, what: str) -> None:
+    """``position_ids`` must be each row's own positions (``expected``; those of the pads, negative there, are not
+    read): decoding goes on from the states at the positions after their tokens."""
     if position_ids is None:
         return
-    expected = torch.arange(seen, seen + tokens, device=position_ids.device)
-    if position_ids.shape[-1] != tokens or not (position_ids == expected).all():
-        raise ValueError(f"position_ids {position_ids.tolist()} do not continue the cache's {seen} tokens: decoding "
-                         "runs at the positions after them")
+    if position_ids.shape[-1] != expected.shape[-1] or ((position_ids != expected) & (expected >= 0)).any():
+        raise ValueError(f"position_ids {position_ids.tolist()} do not {what}: expected "
+                         f"{expected.clamp(min=-1).tolist()} (-1: a pad, any value)")

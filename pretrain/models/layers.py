@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..scopes import FFN, scope
+
 
 @torch.no_grad()
 def init_weights(model: nn.Module, std: float, *, blocks: int) -> None:
@@ -41,7 +43,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        with scope(FFN):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def flops_per_token(self) -> float:
         return 3 * 2 * self.gate_proj.in_features * self.gate_proj.out_features

@@ -10,7 +10,9 @@ from ..attention import build_mixer, mixer_options
 from ..attention.norm import RMSNorm
 from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
+from ..scopes import BLOCK, MIXER, scope
 from .layers import SwiGLU, init_weights, swiglu_hidden
+from .left_padded import prefill_left_padded
 from .lm_head import LMHead
 from .mini_sequence import sliced
 
@@ -51,8 +53,11 @@ class Block(nn.Module):
         self.mini_sequence = mini_sequence
 
     def forward(self, x, cu_seqlens=None, position_ids=None):
-        x = x + self.mixer(self.mixer_norm(x), cu_seqlens=cu_seqlens, position_ids=position_ids)
-        return sliced(self._ffn_residual, x, self.mini_sequence)
+        with scope(BLOCK):
+            normed = self.mixer_norm(x)
+            with scope(MIXER):
+                mixed = self.mixer(normed, cu_seqlens=cu_seqlens, position_ids=position_ids)
+            return sliced(self._ffn_residual, x + mixed, self.mini_sequence)
 
     def _ffn_residual(self, x):
         return x + self.ffn(self.ffn_norm(x))
@@ -122,18 +127,26 @@ class CausalLM(nn.Module):
             x, states[i] = block.step(x, states[i])
         return self.lm_head(self.norm(x)), states
 
-    def prefill(self, input_ids):
-        """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``."""
-        logits, states = self.forward_with_state(input_ids, last=1)
+    def prefill(self, input_ids, starts=None):
+        """A prompt ``[B, T]`` in one parallel pass → ``(logits of its last token [B, V], states)`` for ``step``;
+        ``starts [B]``: prompts of different lengths, left-padded, row b's from column ``starts[b]``."""
+        logits, states = self.forward_with_state(input_ids, last=1, starts=starts)
         return logits[:, 0], states
 
-    def forward_with_state(self, input_ids, states=None, *, last: int = 0):
+    def forward_with_state(self, input_ids, states=None, *, last: int = 0, starts=None):
         """``input_ids [B, T]`` continuing from ``states`` (None: from the start) → ``(logits, states after them)``;
         the logits of every token ``[B, T, V]``, or of the ``last`` few.
 
         From the start the tokens go through each mixer's parallel ``prefill``; after a state, one at a time through
         ``step``, which every mixer has (decoding feeds one token at a time, so that is the path that counts).
+        ``starts [B]`` (from the start only): prompts of different lengths, row b's beginning at column ``starts[b]``
+        after left padding, each prefilled as if alone (``left_padded.py``; the pads' logits are zeros).
         """
+        if starts is not None:
+            if states is not None:
+                raise ValueError("starts (left-padded prompts) apply from the start only; a state goes on from each "
+                                 "row's own tokens")
+            return prefill_left_padded(self, input_ids, starts, last=last)
         x = self.embed(input_ids)
         if states is None:
             states = []
@@ -151,8 +164,18 @@ class CausalLM(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per token (a multiply-add = 2): every mixer and FFN, plus the LM head; training ≈ 3×."""
-        blocks = sum(block.mixer.flops_per_token(seq_len) + block.ffn.flops_per_token() for block in self.layers)
-        return blocks + 2 * self.lm_head.in_features * self.lm_head.out_features
+        return sum(self.flops_by_part(seq_len).values())
+
+    def flops_by_part(self, seq_len: int) -> dict[str, float]:
+        """``flops_per_token`` by part: the layers of each mixer class together (its ``flops_per_token`` says what
+        it counts), the feed-forwards, the LM head. The embedding is a lookup: no FLOPs."""
+        parts: dict[str, float] = {}
+        for block in self.layers:
+            name = type(block.mixer).__name__
+            parts[name] = parts.get(name, 0.0) + block.mixer.flops_per_token(seq_len)
+        parts["SwiGLU"] = sum(block.ffn.flops_per_token() for block in self.layers)
+        parts["LMHead"] = 2.0 * self.lm_head.in_features * self.lm_head.out_features
+        return parts
 
 
 def build_lm(model_cfg: ModelConfig) -> CausalLM:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.precision import upcast
+from ..scopes import LOSS, scope
 
 LOGITS_PER_CHUNK = 1 << 25  # 128 MiB of fp32 logits: small next to the model, whole matmuls for the GPU
 
@@ -34,7 +35,8 @@ class LMHead(nn.Linear):
     def forward(self, x, labels=None, *, ignore_index: int = -100, reduction: str = "sum"):
         if labels is None:
             return F.linear(x, self.weight)
-        return linear_cross_entropy(x, self.weight, labels, ignore_index=ignore_index, reduction=reduction)
+        with scope(LOSS):
+            return linear_cross_entropy(x, self.weight, labels, ignore_index=ignore_index, reduction=reduction)
 
 
 def linear_cross_entropy(x, weight, labels, *, ignore_index: int = -100, reduction: str = "sum"):

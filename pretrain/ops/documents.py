@@ -4,6 +4,8 @@ The references mask with ``document_mask``; the chunked ops lay the ids out by c
 segmented sum. An op whose fast form is a per-sequence scan can simply run once per document
 (``per_document``): one Python call each, cheap next to the work inside for documents of useful length.
 """
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -19,13 +21,24 @@ def check_packing(batch: int, cu_seqlens: torch.Tensor | None) -> None:
                          f"{tuple(cu_seqlens.shape)}")
 
 
+_last_checked = None  # (a weak reference to the offsets last checked, their version, T, documents)
+
+
 def check_offsets(cu_seqlens: torch.Tensor, length: int) -> int:
-    """What only the values show: offsets rising strictly from 0 to ``length``; returns the number of documents."""
+    """What only the values show: offsets rising strictly from 0 to ``length``; returns the number of documents.
+
+    The values are read once per tensor (and again after an in-place change): a model hands every layer the same
+    offsets, and on a GPU each read waits for the stream, so checking per layer cost a host sync per layer."""
+    global _last_checked
+    if (_last_checked is not None and _last_checked[0]() is cu_seqlens
+            and _last_checked[1:3] == (cu_seqlens._version, length)):
+        return _last_checked[3]
     offsets = cu_seqlens.tolist()
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or any(
             b <= a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T={length} (no empty documents); "
                          f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
+    _last_checked = (weakref.ref(cu_seqlens), cu_seqlens._version, length, len(offsets) - 1)
     return len(offsets) - 1
 
 
@@ -61,13 +74,15 @@ def split_documents(cu_seqlens: torch.Tensor, *tensors: torch.Tensor) -> list[tu
 
 
 def document_ids(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
-    """``[T]`` long: the index of the document each token belongs to (all 0 without ``cu_seqlens``)."""
-    doc = torch.zeros(total, dtype=torch.long, device=device)
-    if cu_seqlens is not None:
-        starts = cu_seqlens[1:-1].long().to(device)
-        doc[starts[starts < total]] = 1
-        doc = doc.cumsum(0)
-    return doc
+    """``[T]`` long: the index of the document each token belongs to (all 0 without ``cu_seqlens``).
+
+    Reads no values on the host (a one-call attention builds its mask from it on the GPU): starts at or past T mark
+    a spare slot past the end, and empty documents mark their shared start once."""
+    if cu_seqlens is None:
+        return torch.zeros(total, dtype=torch.long, device=device)
+    marks = torch.zeros(total + 1, dtype=torch.long, device=device)
+    marks[cu_seqlens[1:-1].long().to(device).clamp(max=total)] = 1
+    return marks[:total].cumsum(0)
 
 
 def document_positions(total: int, cu_seqlens: torch.Tensor | None, device=None) -> torch.Tensor:
@@ -123,7 +138,8 @@ def causal_same_document(by_chunk: torch.Tensor) -> torch.Tensor:
 def document_mask(total: int, cu_seqlens: torch.Tensor | None, *, causal: bool, device=None) -> torch.Tensor:
     """``[T, T]`` bool: may token t (row) see token j (column)? Same document, and j ≤ t when causal.
 
-    The naive references use it; the fast forms never build a T×T matrix.
+    The naive references use it, and softmax's one-call SDPA form (``impl="masked"``); no other fast form builds a
+    T×T matrix.
     """
     doc = document_ids(total, cu_seqlens, device)
     allowed = doc[:, None] == doc[None, :]

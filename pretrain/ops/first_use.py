@@ -23,14 +23,18 @@ _verdicts: dict[tuple, bool] = {}
 
 
 def first_use_ok(key: tuple, kernel: Callable[..., torch.Tensor], reference: Callable[..., torch.Tensor],
-                 inputs: Sequence[torch.Tensor], *, kernel_name: str, reference_name: str) -> bool:
+                 inputs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], *, kernel_name: str,
+                 reference_name: str) -> bool:
     """Whether ``kernel(*inputs)`` matches ``reference(*inputs)`` (the output and the gradient of every input)
     within ``TOLERANCE`` of the inputs' dtype; decided once per ``key`` and remembered for the process.
 
-    ``inputs`` are small tensors on the device and in the dtype of the request (the check makes its own leaves);
-    the reference gets them upcast to fp32 when they are narrower.
+    ``inputs`` are small tensors on the device and in the dtype of the request (the check makes its own leaves),
+    or a function that makes them, called only when ``key`` is new: copying them to a GPU waits for it, which a
+    caller asking on every layer of every step should not pay. The reference gets them upcast to fp32 when they
+    are narrower.
     """
     if key not in _verdicts:
+        inputs = inputs() if callable(inputs) else inputs
         problem = _compare(kernel, reference, inputs)
         _verdicts[key] = problem is None
         if problem is not None:

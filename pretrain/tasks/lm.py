@@ -57,13 +57,15 @@ class LMTask(TokenRowsTask):
             raise ConfigError(key, str(err)) from None
 
     def train_metrics(self) -> dict[str, float]:
-        """A mixture's documents and tokens per source so far, by the sources' names, over all replicas (they share
-        one stream, so every rank holds the same counts at a step's end)."""
+        """Corrupt shards left out so far (``data.skip_corrupt``) and a mixture's documents and tokens per source, by
+        the sources' names, over all replicas (they share one stream, so every rank holds the same counts at a
+        step's end)."""
+        skipped = {"train/skipped_shards": float(self.loader.skipped_shards)}
         if not isinstance(self.loader, MixtureLoader):
-            return {}
+            return skipped
         counts = self.loader.source_counts()
-        return {f"train/{name}_{what}": float(value) for name, row in zip(self.source_names, counts)
-                for what, value in zip(("documents", "tokens"), row)}
+        return skipped | {f"train/{name}_{what}": float(value) for name, row in zip(self.source_names, counts)
+                          for what, value in zip(("documents", "tokens"), row)}
 
     @property
     def has_validation(self) -> bool:

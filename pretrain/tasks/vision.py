@@ -99,7 +99,11 @@ class VisionTask:
         return self.val_loader is not None
 
     def train_metrics(self) -> dict[str, float]:
-        return {}
+        """Corrupt shards left out so far (``data.skip_corrupt``), over all ranks: each reads shards of its own."""
+        skipped = torch.tensor(float(self.loader.skipped_shards), device=self.world.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(skipped)
+        return {"train/skipped_shards": skipped.item()}
 
     def build_model(self):
         return build_model(self.cfg)

@@ -10,18 +10,15 @@ next run's start remove it, and loading it is refused.
 Elastic resume: a checkpoint loads on another number of ranks. Without partitioned optimizer states (ZeRO 0 in
 fp32) DeepSpeed's model-states file holds everything and loads as it is. Partitioned ones (ZeRO 1-3, or DeepSpeed's
 bf16 optimizer) are converted once by DeepSpeed's ``ds_to_universal`` into ``TAG/universal/`` (one file per parameter
-and state, whole) and loaded with ``checkpoint.load_universal``, each rank taking its new partition; the converted
-copy is removed after the load. The client state (step, counters, data cursor) is the same on every rank, so rank
-0's serves any new rank.
+and state, whole; ``universal.py``: no rank waits for it in a collective) and loaded with
+``checkpoint.load_universal``, each rank taking its new partition; the converted copy is removed after the load.
+The client state (step, counters, data cursor) is the same on every rank, so rank 0's serves any new rank.
 """
-import argparse
 import contextlib
-import io
 import logging
 import re
 import shutil
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -36,6 +33,7 @@ from ..distributed.process_group import lost_a_rank
 from ..models.pretrained import CONFIG, TOKENIZER, WEIGHTS, is_export, load_pretrained, read_export_config
 from ..tasks import build_model
 from ..tasks.config_checks import load_run_config
+from . import universal
 from .run_tokenizer import check_tokenizer
 
 TAG = re.compile(r"step(\d{8})")
@@ -158,27 +156,6 @@ def needs_resharding(ckpt_dir: Path, world_size: int) -> bool:
             and any((Path(ckpt_dir) / tag).glob("*optim_states.pt")))
 
 
-def _convert_to_universal(ckpt_dir: Path, tag: str) -> float:
-    """Write ``TAG/universal/`` with DeepSpeed's ``ds_to_universal`` (in this process, its report kept off the
-    run's output); return the seconds it took."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    source, target = ckpt_dir / tag, ckpt_dir / tag / "universal"
-    shutil.rmtree(target, ignore_errors=True)
-    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-    start, report = time.perf_counter(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
-            ds_to_universal.main(args)
-    except Exception as err:  # DeepSpeed's own asserts and errors: a one-line refusal naming the checkpoint
-        shutil.rmtree(target, ignore_errors=True)
-        raise CheckpointError(f"cannot reshard checkpoint {source} for this number of ranks: DeepSpeed's "
-                              f"ds_to_universal failed ({type(err).__name__}: {err}); resume with the number of "
-                              f"ranks that wrote it ({ranks_that_wrote(ckpt_dir, tag)})") from err
-    return time.perf_counter() - start
-
-
 def _repair_universal_load(engine, settings: list[dict]) -> None:
     """Undo two slips of DeepSpeed's ZeRO-3 universal load (0.19.8): every param group gets the first group's
     settings (weight decay on norms and biases too), and every group's state the same ``step`` tensor, which Adam
@@ -220,7 +197,7 @@ def _without_deepspeed_warning(message: str):
 
 def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
     """Restore model, optimizer and LR scheduler from ``tag`` (default: ``latest``), on the number of ranks that
-    wrote it or another (``resharded_s`` in the returned state: the seconds the conversion took, or None); return
+    wrote it or another (``resharded`` in the returned state: how the universal copy was made, or None); return
     this rank's client state (rank 0's for a rank the checkpoint did not have), or None when there is nothing to
     resume."""
     ckpt_dir, rank = Path(ckpt_dir), dist.get_rank()
@@ -232,32 +209,28 @@ def load(engine, ckpt_dir: Path, *, tag: str | None = None) -> dict | None:
     if not path.exists():
         raise CheckpointError(f"{path} is missing: checkpoint {ckpt_dir / tag} is incomplete")
     client_state = torch.load(path, weights_only=False)
-    load_dir, load_tag, resharded_s = ckpt_dir, tag, None
+    load_dir, load_tag, resharded = ckpt_dir, tag, None
     settings = [{key: value for key, value in group.items() if key not in ("params", "lr", "initial_lr")}
                 for group in engine.optimizer.param_groups]  # this run's; the LR is the schedule's
     if engine.load_universal_checkpoint():  # built so by needs_resharding
-        outcome = [None, None]  # (seconds, error): rank 0 converts, and every rank learns how it went
-        if rank == 0:
-            try:
-                outcome = [_convert_to_universal(ckpt_dir, tag), None]
-            except CheckpointError as err:
-                outcome = [None, str(err)]
-        dist.broadcast_object_list(outcome, src=0)
-        resharded_s, error = outcome
-        if error:
-            raise CheckpointError(error)
-        load_dir, load_tag = ckpt_dir / tag, "universal"
+        try:
+            seconds = universal.prepare_on_every_rank(ckpt_dir / tag)
+        except universal.ConversionError as err:
+            raise CheckpointError(f"{err}; resume with the number of ranks that wrote it ({written_by})") from None
+        resharded = (f"converted in {seconds:.1f} s" if seconds is not None
+                     else "converted ahead of the launch by tools/reshard.py")
+        load_dir, load_tag = ckpt_dir / tag, universal.UNIVERSAL
     with _without_deepspeed_warning(NO_MPU_WARNING):
         loaded, _ = engine.load_checkpoint(str(load_dir), tag=load_tag)
     if loaded is None:
         raise CheckpointError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
-    if load_tag == "universal":
+    if load_tag == universal.UNIVERSAL:
         _repair_universal_load(engine, settings)
         dist.barrier()
         if rank == 0:
-            shutil.rmtree(ckpt_dir / tag / "universal", ignore_errors=True)
+            universal.remove(ckpt_dir / tag)
     reapply_lr_schedule(engine)  # a relaunch may have changed train.max_steps, so the schedule
-    return {**client_state, "written_by": written_by, "resharded_s": resharded_s}
+    return {**client_state, "written_by": written_by, "resharded": resharded}
 
 
 def load_model_weights(ckpt_dir: Path, tag: str, *, zero_stage: int) -> dict[str, torch.Tensor]:

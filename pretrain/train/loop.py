@@ -18,6 +18,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from pretrain.config import ConfigError
+from pretrain.data import ShardError
 from pretrain.distributed import (
     World,
     apply_activation_checkpointing,
@@ -29,11 +30,13 @@ from pretrain.distributed import (
 )
 from pretrain.distributed.engine import reapply_lr_schedule, step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
+from pretrain.exit_codes import PREEMPTED
+from pretrain.scopes import BACKWARD, scope
 from pretrain.tasks import build_task
 
 from . import checkpoint, run_lock
 from .metrics import MetricsWriter, device_peak_flops, peak_memory_bytes
-from .preemption import PREEMPTED, StopRequest, held_from_child_processes
+from .preemption import StopRequest, held_from_child_processes
 from .rng import rng_state, seed_everything, set_rng_state
 from .run_dir import check_relaunch, prepare_run_dir
 from .run_tokenizer import pin_tokenizer
@@ -48,6 +51,16 @@ class NonFiniteLossError(RuntimeError):
     """Too many non-finite losses in a row; the run stops and its last good checkpoint stays the resume point."""
 
 
+class CorruptShardStop(RuntimeError):
+    """A rank met a corrupt training shard: every rank saved the last completed step and stops (exit
+    ``CORRUPT_SHARD``). ``met``: this rank is the first that met the shard, and its message names it and how to go
+    on."""
+
+    def __init__(self, message: str, met: bool):
+        super().__init__(message)
+        self.met = met
+
+
 @dataclass
 class Counters:
     step: int = 0               # training iterations done (skipped ones included)
@@ -60,35 +73,63 @@ class StepResult(NamedTuple):
     loss: torch.Tensor | None  # this rank's loss averaged over the step's micro-batches, on the device; None: skipped
     grad_norm: float | None    # the global gradient norm before clipping; None when skipped
     stop: bool                 # a rank got a stop signal: every rank leaves the loop after this step
+    unreadable: bool = False   # a rank's data was unreadable (a corrupt shard): nothing trained, every rank stops
+    error: ShardError | None = None  # this rank's, when it met the corrupt shard
 
 
-def train_step(engine, task, batches, world: World, accum: int, stop: StopRequest) -> StepResult:
+def train_step(engine, task, batches, world: World, accum: int, stop: StopRequest, fallback=None) -> StepResult:
     """One optimizer step over ``accum`` micro-batches: one collective of its own, nothing read on the host per
     micro-batch.
 
-    After the first micro-batch's forward and before any backward, a single all-reduce of a two-flag tensor asks
-    whether any rank's loss is non-finite and whether any rank got a stop signal. A non-finite loss skips the step
-    (no backward, no update; the remaining micro-batches are drawn unused so the data stream stays step-aligned).
-    The losses stay on the device; ``Trainer.log`` averages them over ranks when it logs. A non-finite loss in a
-    later micro-batch of an accumulated step cannot be withdrawn (DeepSpeed has no API to drop accumulated
-    gradients): its gradients make the step's gradient norm non-finite, which counts as a non-finite step.
+    The step's micro-batches are drawn first. After the first one's forward and before any backward, a single
+    all-reduce of a three-flag tensor asks whether any rank's loss is non-finite, whether any rank got a stop signal
+    and whether any rank's data was unreadable. A non-finite loss skips the step (no backward, no update; every
+    micro-batch was drawn, so the data stream stays step-aligned). A corrupt shard met by one rank only is known to
+    all before any backward: that rank runs its forward on ``fallback`` (its last batch: under ZeRO-3 and sequence
+    parallelism a forward is a collective) and every rank skips the step. The losses stay on the device;
+    ``Trainer.log`` averages them over ranks when it logs. A non-finite loss in a later micro-batch of an
+    accumulated step cannot be withdrawn (DeepSpeed has no API to drop accumulated gradients): its gradients make
+    the step's gradient norm non-finite, which counts as a non-finite step.
     """
-    loss = _mean_loss(engine, task, next(batches), world.device)
-    flags = torch.stack([~torch.isfinite(loss.detach()), torch.tensor(stop.requested, device=world.device)]).int()
+    micro_batches, error = [], None
+    try:
+        for _ in range(accum):
+            micro_batches.append(next(batches))
+    except ShardError as err:
+        if not micro_batches and fallback is None:
+            raise
+        error = err
+    loss = _mean_loss(engine, task, micro_batches[0] if micro_batches else fallback, world.device)
+    flags = torch.stack([~torch.isfinite(loss.detach()), torch.tensor(stop.requested, device=world.device),
+                         torch.tensor(error is not None, device=world.device)]).int()
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    nonfinite, stopping = flags.tolist()
-    if nonfinite:
-        for _ in range(accum - 1):
-            next(batches)
-        return StepResult(None, None, bool(stopping))
+    nonfinite, stopping, unreadable = flags.tolist()
+    if nonfinite or unreadable:
+        return StepResult(None, None, bool(stopping), bool(unreadable), error)
     total, grad_norm = torch.zeros((), device=world.device), None
-    for micro in range(accum):
+    for micro, batch in enumerate(micro_batches):
         if micro > 0:
-            loss = _mean_loss(engine, task, next(batches), world.device)
+            loss = _mean_loss(engine, task, batch, world.device)
         total += loss.detach()
-        engine.backward(loss)
+        with scope(BACKWARD):
+            engine.backward(loss)
         grad_norm = step_with_grad_norm(engine)
     return StepResult(total / accum, grad_norm, bool(stopping))
+
+
+class LastDrawn:
+    """An iterator that keeps the item it gave last (``last``): a rank whose next batch is unreadable runs its
+    step's forward on it."""
+
+    def __init__(self, items):
+        self.items, self.last = iter(items), None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.last = next(self.items)
+        return self.last
 
 
 def _mean_loss(engine, task, batch, device) -> torch.Tensor:
@@ -103,12 +144,14 @@ def _mean_over_ranks(value: torch.Tensor, world: World) -> float:
 
 
 class Throughput:
-    """Units (tokens, images) per second and achieved FLOP/s over the training steps since the last report (pauses
-    are not counted)."""
+    """Units (tokens, images) per second, achieved FLOP/s and MFU over the training steps since the last report
+    (pauses are not counted). The FLOPs are the model's (``Task.train_flops_per_unit``: 3× a forward, recomputation
+    never counted); MFU divides them by ``peak_flops``, the device's peak (None: not reported)."""
 
-    def __init__(self, unit: str, units_per_step: int, train_flops_per_unit: float, world_size: int):
+    def __init__(self, unit: str, units_per_step: int, train_flops_per_unit: float, world_size: int,
+                 peak_flops: float | None):
         self.unit, self.units_per_step, self.flops_per_unit = unit, units_per_step, train_flops_per_unit
-        self.world_size = world_size
+        self.world_size, self.peak_flops = world_size, peak_flops
         self.restart()
 
     def restart(self) -> None:
@@ -118,8 +161,11 @@ class Throughput:
         per_s = self.steps * self.units_per_step / (time.perf_counter() - self.start)
         self.restart()
         per_rank = per_s / self.world_size
-        return {f"train/{self.unit}_per_s": per_s, f"train/{self.unit}_per_s_per_rank": per_rank,
-                "train/flops_per_s_per_rank": self.flops_per_unit * per_rank}
+        values = {f"train/{self.unit}_per_s": per_s, f"train/{self.unit}_per_s_per_rank": per_rank,
+                  "train/flops_per_s_per_rank": self.flops_per_unit * per_rank}
+        if self.peak_flops:
+            values["train/mfu"] = values["train/flops_per_s_per_rank"] / self.peak_flops
+        return values
 
 
 class Trainer:
@@ -127,7 +173,8 @@ class Trainer:
 
     def __init__(self, cfg: DictConfig):
         self.cfg, t = cfg, cfg.train
-        self.world = split_sequences(init_process_group(), cfg.parallel.sequence_parallel)
+        self.world = split_sequences(init_process_group(cfg.parallel.collective_timeout_s),
+                                     cfg.parallel.sequence_parallel)
         lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
         pin_tokenizer(Path(cfg.run.dir), cfg.data.tokenizer, is_main=self.world.is_main,
                       resuming=checkpoint.latest_tag(Path(cfg.run.dir) / "checkpoints") is not None)
@@ -154,12 +201,13 @@ class Trainer:
 
         self.writer = MetricsWriter(self.run_dir, self.world.is_main,
                                     resume_step=checkpoint.tag_step(checkpoint.latest_tag(self.ckpt_dir)) or 0)
-        if lock_note:
-            self.writer.print(lock_note)
+        for note in (lock_note, self.schedule.warmup_notice()):
+            if note:
+                self.writer.print(note)
         self.counters = Counters()
         self.units_per_step = self.task.units_per_micro_batch * t.grad_accum_steps * self.world.world_size
-        self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size)
-        self.peak_flops = device_peak_flops(self.world.device)
+        self.throughput = Throughput(self.task.unit, self.units_per_step, train_flops_per_unit, self.world.world_size,
+                                     device_peak_flops(self.world.device))
 
     def resume(self) -> None:
         """Continue from the latest checkpoint if there is one: weights, optimizer, LR, data, RNG, counters. Tags an
@@ -202,9 +250,11 @@ class Trainer:
                 "sequence_parallel": self.cfg.parallel.sequence_parallel,
                 "rows_per_step": t.micro_batch_size * t.grad_accum_steps * self.world.data_size}
 
-    def save(self) -> None:
-        state = {"counters": asdict(self.counters), "data": self.task.state_dict(), "rng": rng_state(),
-                 "schedule": self.schedule.state(), **self.layout()}
+    def save(self, data: dict | None = None, rng: dict | None = None) -> None:
+        """A checkpoint of the step done; ``data`` and ``rng``: the states at that step's end when the stream and
+        the generators have moved on since (a step left untrained)."""
+        state = {"counters": asdict(self.counters), "data": self.task.state_dict() if data is None else data,
+                 "rng": rng_state() if rng is None else rng, "schedule": self.schedule.state(), **self.layout()}
         tag = checkpoint.save(self.engine, self.ckpt_dir, self.counters.step, state,
                               keep_last=self.cfg.checkpoint.keep_last)
         self.writer.print(f"saved checkpoint {self.ckpt_dir / tag}")
@@ -218,6 +268,28 @@ class Trainer:
         self.writer.print(f"step {self.counters.step} | " + " | ".join(
             f"{key.removeprefix('val/').replace('_', ' ')} {value:.4f}" if isinstance(value, float) else
             f"{key.removeprefix('val/')} {value}" for key, value in values.items()))
+
+    def stop_on_corrupt_shard(self, error: ShardError | None, data: dict, rng: dict) -> None:
+        """A rank's next batch was unreadable: every rank saves the last completed step, as a stop does (with the
+        data and RNG states of that step's end: the stream has moved on on the ranks that read their batches), unless
+        it is saved already or diverging, and stops."""
+        latest = checkpoint.latest_tag(self.ckpt_dir)
+        saving = self.counters.step > (checkpoint.tag_step(latest) or 0) and self.counters.nonfinite_in_a_row == 0
+        if saving:
+            self.save(data, rng)
+        errors = [None] * self.world.world_size  # the LM's replicas all read every shard: said once, by the first
+        dist.all_gather_object(errors, error and str(error))
+        if error is None or str(error) in errors[:self.world.rank]:
+            raise CorruptShardStop("another rank met a corrupt shard", met=False)
+        raise CorruptShardStop(self.corrupt_message(error, saved=saving), met=True)
+
+    def corrupt_message(self, error: ShardError, saved: bool) -> str:
+        """The corrupt shard, what was kept, and the key that leaves the shard out."""
+        step, latest = self.counters.step, checkpoint.latest_tag(self.ckpt_dir)
+        kept = (f"saved step {step} ({self.ckpt_dir / latest})" if saved else
+                f"the latest checkpoint is {self.ckpt_dir / latest}" if latest else "no checkpoint was saved yet")
+        return (f"{error}, at step {step + 1}; {kept}. Relaunch the same command with data.skip_corrupt=true to "
+                f"leave the shard out and go on (counted in train/skipped_shards), or replace the shard")
 
     def lost_rank_message(self, gone: list[int]) -> str:
         who = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(str(r) for r in gone)} (pid "
@@ -251,10 +323,7 @@ class Trainer:
                   "train/peak_memory_bytes": peak_memory_bytes(self.world.device), "train/epoch": self.task.epoch,
                   f"train/{self.task.unit}_seen": self.counters.units_seen,
                   "train/nonfinite_skipped": self.counters.nonfinite_skipped, **self.task.train_metrics()}
-        mfu = ""
-        if self.peak_flops:
-            values["train/mfu"] = values["train/flops_per_s_per_rank"] / self.peak_flops
-            mfu = f" | MFU {values['train/mfu']:.1%}"
+        mfu = f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else ""
         self.writer.scalars(self.counters.step, values)
         self.writer.print(f"step {self.counters.step}/{self.cfg.train.max_steps} | loss {loss:.4f} | lr {lr:.2e} | "
                           f"grad {grad_norm:.3f} | {values[f'train/{self.task.unit}_per_s']:,.0f} {self.task.unit}/s | "
@@ -262,37 +331,56 @@ class Trainer:
                           f"epoch {self.task.epoch}")
 
     def run(self) -> bool:
-        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save). The
-        data loader's workers are stopped on the way out, error or not: left running, a worker kept a failed run
-        waiting on it at exit."""
+        """Train until ``train.max_steps`` or a stop signal; return whether a signal stopped it (after a save)."""
+        with self.stepping() as (stop, batches):
+            stopped = self._steps(stop, batches)
+        self.writer.close()
+        return stopped
+
+    @contextlib.contextmanager
+    def stepping(self):
+        """``(stop, batches)`` to call ``step`` with: the signals that ask for a stop are watched, and the data
+        loader's workers are stopped on the way out, error or not (left running, a worker kept a failed run waiting
+        on it at exit)."""
         self.writer.print(f"step {self.counters.step}: opening the training shards "
                           f"(data.num_workers={self.cfg.data.num_workers})")
         with StopRequest() as stop:
             with held_from_child_processes():  # the first batch starts the loader's worker processes
                 loader = self.task.batches()
-                first = next(loader)
+                try:
+                    first = next(loader)
+                except ShardError as err:  # nothing trained since the resumed checkpoint: nothing to save
+                    raise CorruptShardStop(self.corrupt_message(err, saved=False), met=True) from None
             with contextlib.closing(loader):
-                stopped = self._steps(stop, chain([first], loader))
-        self.writer.close()
-        return stopped
+                yield stop, LastDrawn(chain([first], loader))
 
-    def _steps(self, stop: StopRequest, batches) -> bool:
+    def step(self, stop: StopRequest, batches: LastDrawn) -> bool:
+        """One training step and its bookkeeping: counters, throughput, a non-finite step counted, the metrics
+        logged every ``log.every`` steps; a shard unreadable on any rank saves the step before and stops the run.
+        Returns whether a rank asked to stop."""
+        cfg, c = self.cfg, self.counters
+        lr = self.engine.get_lr()[0]
+        step_start = self.task.state_dict(), rng_state()  # saved instead, should this step's data be unreadable
+        loss, grad_norm, stopping, unreadable, error = train_step(
+            self.engine, self.task, batches, self.world, cfg.train.grad_accum_steps, stop, fallback=batches.last)
+        if unreadable:
+            self.stop_on_corrupt_shard(error, *step_start)
+        c.step += 1
+        c.units_seen += self.units_per_step
+        self.throughput.steps += 1
+        if loss is None or not math.isfinite(grad_norm):
+            self.count_bad_step(loss, grad_norm)
+        else:
+            c.nonfinite_in_a_row = 0
+            if c.step % cfg.log.every == 0:
+                self.log(loss, grad_norm, lr)
+        return stopping
+
+    def _steps(self, stop: StopRequest, batches: LastDrawn) -> bool:
         cfg, c, world = self.cfg, self.counters, self.world
         self.throughput.restart()
         while c.step < cfg.train.max_steps:
-            lr = self.engine.get_lr()[0]
-            loss, grad_norm, stopping = train_step(self.engine, self.task, batches, world, cfg.train.grad_accum_steps,
-                                                   stop)
-            c.step += 1
-            c.units_seen += self.units_per_step
-            self.throughput.steps += 1
-            if loss is None or not math.isfinite(grad_norm):
-                self.count_bad_step(loss, grad_norm)
-            else:
-                c.nonfinite_in_a_row = 0
-                if c.step % cfg.log.every == 0:
-                    self.log(loss, grad_norm, lr)
-
+            stopping = self.step(stop, batches)
             validating = self.task.has_validation and c.step % cfg.log.val_every == 0
             saving = c.step % cfg.checkpoint.every == 0 or c.step == cfg.train.max_steps or stopping
             if validating:
@@ -321,9 +409,8 @@ def elastic_resume_lines(resumed: dict, now: dict) -> list[str]:
     """What a resume on another layout of ranks changed, one line each: the resharding, the global batch."""
     lines, written_by, sp_before = [], resumed["written_by"], resumed.get("sequence_parallel", 1)
     if written_by != now["world_size"] or sp_before != now["sequence_parallel"]:
-        if resumed["resharded_s"] is not None:
-            how = ("optimizer states resharded through DeepSpeed's universal checkpoint "
-                   f"({resumed['resharded_s']:.1f} s)")
+        if resumed["resharded"] is not None:
+            how = f"optimizer states resharded through DeepSpeed's universal checkpoint ({resumed['resharded']})"
         elif written_by != now["world_size"]:
             how = "the checkpoint holds whole states (no ZeRO partitions), loaded as they are"
         else:
@@ -372,6 +459,8 @@ def train(cfg: DictConfig) -> bool:
         trainer = Trainer(cfg)
         trainer.resume()
         return trainer.run()
+    except CorruptShardStop:
+        raise  # every rank saved and stops: a rank gone by now has just stopped first
     except Exception as err:
         # A dead rank shows here as a failed collective (the launcher's SIGTERM to this rank and its loader workers
         # is a stop request, and ignored by the workers): its death is the news.

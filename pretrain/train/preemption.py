@@ -5,7 +5,7 @@ Every launcher is covered: plain python gets the signal itself; torchrun forward
 ``deepspeed`` command's per-node launcher (``deepspeed.launcher.launch``) forwards it to each rank and its children,
 but the ``deepspeed`` command itself dies of a SIGTERM without forwarding anything, so each rank watches its
 launcher's parent (and its launcher) and stops when either is gone. A run stopped this way saved, and exits with
-``PREEMPTED`` (not 0), so a scheduler can tell it from a finished run and requeue it.
+``pretrain.exit_codes.PREEMPTED`` (not 0), so a scheduler can tell it from a finished run and requeue it.
 """
 import atexit
 import contextlib
@@ -17,7 +17,6 @@ import threading
 from pathlib import Path
 
 SIGNALS = {signal.SIGTERM, signal.SIGINT}
-PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped early on request, saved; relaunching the same command resumes
 # a rank's parent process, by an argument of its command line: its name, and whether its own parent is watched (the
 # deepspeed command forwards no signal to its launcher; torchrun's parent, a shell, may end without meaning a stop)
 LAUNCHERS = {b"deepspeed.launcher.launch": ("the deepspeed launcher", True),

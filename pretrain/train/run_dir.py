@@ -9,7 +9,8 @@ from pretrain.config import ConfigError, save_config
 MAY_CHANGE = ("run.dir", "train.max_steps", "data.num_workers", "data.verify_shards", "log.", "checkpoint.",
               "train.micro_batch_size", "train.grad_accum_steps", "parallel.sequence_parallel",  # elastic resume
               "data.skip_corrupt", "train.max_nonfinite_steps", "deepspeed.activation_checkpointing",
-              "data.train_shards", "data.val_shards")  # moved shards: the loader checks their manifests' sha256
+              "data.train_shards", "data.val_shards",  # moved shards: the loader checks their manifests' sha256
+              "parallel.collective_timeout_s")
 
 
 def _flat(cfg: DictConfig) -> dict[str, object]:

@@ -1,6 +1,8 @@
 """Learning rate as a pure function of the optimizer step, so a resumed run needs only the step to continue it."""
 import math
 
+from pretrain.config import fitted_warmup
+
 
 def lr_at(step: int, *, lr: float, min_lr: float, name: str, warmup_steps: int, decay_steps: int,
           max_steps: int) -> float:
@@ -10,7 +12,10 @@ def lr_at(step: int, *, lr: float, min_lr: float, name: str, warmup_steps: int, 
     - ``wsd`` (warmup-stable-decay): warmup, ``lr`` held, then a linear decay to ``min_lr`` over the final
       ``decay_steps`` steps.
     - ``constant``: warmup, then ``lr``.
+
+    A warmup longer than ``max_steps`` is shortened to fit (``fitted_warmup``).
     """
+    warmup_steps = fitted_warmup(warmup_steps, max_steps)
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if name == "constant":
@@ -45,6 +50,15 @@ class Plan:
         if s["name"] == "cosine":
             return s["min_lr"] + 0.5 * (lr - s["min_lr"]) * (1.0 + math.cos(math.pi * progress))
         return lr + (s["min_lr"] - lr) * progress
+
+    def warmup_notice(self) -> str | None:
+        """One line when the configured warmup is longer than the run and was shortened (None otherwise)."""
+        asked, steps = self.settings["warmup_steps"], self.settings["max_steps"]
+        fitted = fitted_warmup(asked, steps)
+        if fitted == asked:
+            return None
+        return (f"schedule.warmup_steps {asked} is longer than train.max_steps {steps}: warming up over {fitted} "
+                f"step{'s' if fitted > 1 else ''} instead (a tenth of the run)")
 
     def state(self) -> dict:
         return {"max_steps": self.settings["max_steps"], "start": self.start}

@@ -137,7 +137,6 @@ def test_unknown_key_in_yaml_names_key_and_file(tmp_path):
     (["optim.min_lr=1.0", "optim.lr=0.1"], "optim.min_lr"),
     (["optim.betas=[0.9,1.5]"], "optim.betas"),
     (["optim.betas=[0.9]"], "optim.betas"),
-    (["schedule.warmup_steps=2000", "train.max_steps=1000"], "schedule.warmup_steps"),
     (["schedule.name=wsd", "schedule.decay_steps=0"], "schedule.decay_steps"),
     (["deepspeed.zero_stage=4"], "deepspeed.zero_stage"),
     (["deepspeed.offload_optimizer=true", "deepspeed.zero_stage=0"], "deepspeed.offload_optimizer"),
@@ -148,6 +147,15 @@ def test_unknown_key_in_yaml_names_key_and_file(tmp_path):
 ])
 def test_impossible_values_and_combinations_name_the_key(overrides, key):
     refused(key, *overrides)
+
+
+def test_a_first_short_try_of_a_config_is_not_refused_for_its_warmup():
+    """configs/tiny_lm.yaml warms up over 30 steps; a newcomer's ten-step try was refused for it (the schedule
+    shortens the warmup instead: tests/train/test_schedule.py), and so was wsd's decay that fits the shortened one."""
+    assert load_config(CONFIGS / "tiny_lm.yaml", ["train.max_steps=10"]).schedule.warmup_steps == 30
+    load_config(CONFIGS / "tiny_lm.yaml", ["train.max_steps=10", "schedule.name=wsd", "schedule.decay_steps=9"])
+    refused("schedule.decay_steps", "train.max_steps=10", "schedule.warmup_steps=30", "schedule.name=wsd",
+            "schedule.decay_steps=10")
 
 
 def test_pipe_urls_pass_when_allowed():
@@ -182,8 +190,10 @@ def test_mixer_options_are_checked_by_name_type_and_construction():
     refused("model.mixer_options.softmax.rope_theta", "model.mixer_options.softmax.rope_theta=big")
     message = refused("model.mixer_options.softmax", "model.dim=36", "model.n_heads=4")  # head dim 9: odd
     assert "even head dimension" in message
-    cfg = load("model.mixer_options.softmax.rope_theta=500000", "model.mixer_options.softmax.qk_norm=true")
-    assert cfg.model.mixer_options.softmax == {"rope_theta": 500000, "qk_norm": True}
+    assert "impl must be one of" in refused("model.mixer_options.softmax", "model.mixer_options.softmax.impl=flex")
+    cfg = load("model.mixer_options.softmax.rope_theta=500000", "model.mixer_options.softmax.qk_norm=true",
+               "model.mixer_options.softmax.impl=varlen")
+    assert cfg.model.mixer_options.softmax == {"rope_theta": 500000, "qk_norm": True, "impl": "varlen"}
 
 
 def test_a_mixer_shorter_than_the_sequence_is_refused_at_load_time():

@@ -112,13 +112,15 @@ def test_init_scales_residual_output_projections_by_depth():
     assert torch.all(block.mixer_norm.weight == 1)
 
 
-def test_flops_per_token_is_mixers_plus_ffn_plus_head(token_shift):
+def test_flops_per_token_is_mixers_plus_ffn_plus_head_by_part(token_shift):
     dim, vocab, seq_len, hidden = 64, 100, 40, 192
     model = build_lm(model_cfg(dim=dim, vocab_size=vocab, n_layers=4, layer_pattern=["softmax", "token_shift"]))
     softmax = 4 * 2 * dim * dim + 2 * 2 * (seq_len / 2) * dim
     token_shift_flops = 2 * dim * dim
     ffn = 3 * 2 * dim * hidden
     assert model.flops_per_token(seq_len) == 2 * softmax + 2 * token_shift_flops + 4 * ffn + 2 * dim * vocab
+    assert model.flops_by_part(seq_len) == {"SoftmaxAttention": 2 * softmax, "TokenShift": 2 * token_shift_flops,
+                                            "SwiGLU": 4 * ffn, "LMHead": 2 * dim * vocab}
 
 
 def test_unresolved_vocab_size_is_refused_naming_the_key():

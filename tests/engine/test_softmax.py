@@ -1,10 +1,12 @@
-"""Softmax attention: the fast form (SDPA / flash-attn) against the definition, RoPE, and the `softmax` mixer."""
+"""Softmax attention: the fast forms (SDPA, one masked call, varlen_attn, flash-attn) against the definition and SDPA
+per document, RoPE, and the `softmax` mixer."""
 import pytest
 import torch
 
 from pretrain.attention import REGISTRY, build_mixer
 from pretrain.attention.norm import RMSNorm
 from pretrain.ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention, softmax_attention_naive
+from pretrain.ops.softmax import INSTALLED
 
 SHAPES = [(1, 1, 1, 8), (2, 7, 3, 24), (3, 33, 2, 16), (1, 64, 4, 32)]  # B, T, H, D: awkward and ordinary
 
@@ -63,6 +65,91 @@ def test_packed_documents_equal_documents_alone(causal):
         torch.testing.assert_close(g_packed, g_alone)
 
 
+# Packed rows of awkward layouts (document lengths): one-token documents, one document the whole row, many short
+# documents; totals not powers of two.
+LAYOUTS = {"one_token_docs": [1, 5, 1, 1, 13, 1], "whole_row": [37], "many": [3, 1, 7, 2, 9, 4, 1, 6, 5, 8, 2, 3] * 3}
+
+
+def offsets(lengths, device="cpu"):
+    return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_call_over_packed_documents_equals_sdpa_per_document(layout, causal):
+    """impl="masked" (one SDPA call, a block-diagonal mask) against SDPA once per document: fp32, output and
+    gradients, with max_seqlen a loose bound (the row) as the mixer passes it."""
+    lengths = LAYOUTS[layout]
+    q, k, v = random_qkv((1, sum(lengths), 3, 8), dtype=torch.float32)
+    cu = offsets(lengths)
+    one_call = softmax_attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=sum(lengths), impl="masked")
+    per_document = softmax_attention(q, k, v, causal=causal, cu_seqlens=cu, impl="sdpa")
+    torch.testing.assert_close(one_call, per_document)
+    for g_one, g_each in zip(grads(one_call, (q, k, v)), grads(per_document, (q, k, v))):
+        torch.testing.assert_close(g_one, g_each)
+
+
+def test_one_call_means_one_kernel_call_whatever_the_document_count(monkeypatch):
+    """The per-document loop is gone from impl="masked": SDPA runs once for 1 document and for 36 (and the
+    per-document form, for contrast, once per document)."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs))
+    for layout in ("whole_row", "many"):
+        calls.clear()
+        q, k, v = (t.detach() for t in random_qkv((1, sum(LAYOUTS[layout]), 2, 8), dtype=torch.float32))
+        softmax_attention(q, k, v, cu_seqlens=offsets(LAYOUTS[layout]), impl="masked")
+        assert len(calls) == 1
+    calls.clear()
+    softmax_attention(q, k, v, cu_seqlens=offsets(LAYOUTS["many"]), impl="sdpa")
+    assert len(calls) == len(LAYOUTS["many"])
+
+
+@pytest.mark.parametrize("impl", ["masked", "varlen"])
+def test_one_call_forms_read_nothing_from_the_device(impl):
+    """Forward and backward of the one-call forms run on the meta device, where reading a value (``.item()``,
+    ``.tolist()``, a data-dependent shape: a host sync on a GPU) raises; varlen_attn runs there by its fake
+    kernel, so its plumbing (flattening, offsets, the causal flag, max_seqlen) is exercised here too. SDPA per
+    document reads the offsets, and fails here."""
+    q, k, v = (torch.randn(1, 50, 2, 8, device="meta", requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 20, 21, 50], device="meta")
+    out = softmax_attention(q, k, v, cu_seqlens=cu, max_seqlen=50, impl=impl)
+    assert out.shape == (1, 50, 2, 8) and out.device.type == "meta"
+    assert all(g.shape == q.shape for g in torch.autograd.grad(out.sum(), (q, k, v)))
+    with pytest.raises(RuntimeError, match="meta"):
+        softmax_attention(q, k, v, cu_seqlens=cu, impl="sdpa")
+
+
+@pytest.mark.parametrize("impl", ["masked", "varlen"])
+def test_mixer_forward_and_backward_read_nothing_from_the_device(impl):
+    """The softmax mixer over packed rows passes the row length as max_seqlen, so no layer reads the offsets."""
+    mixer = build_mixer("softmax", 32, 4, causal=True, options={"impl": impl, "qk_norm": True}).to("meta")
+    x = torch.randn(2, 10, 32, device="meta", requires_grad=True)
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])
+    cu = cu_seqlens_from_position_ids(position_ids).to("meta")
+    out = mixer(x, cu_seqlens=cu, position_ids=position_ids.to("meta"))
+    torch.autograd.grad(out.sum(), [x, *mixer.parameters()])
+
+
+def test_impl_names_are_checked():
+    q, k, v = (t.detach() for t in random_qkv((1, 6, 1, 8), dtype=torch.float32))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        softmax_attention(q, k, v, impl="flex")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        build_mixer("softmax", 32, 4, causal=True, options={"impl": "flash_attn"})
+    with pytest.raises(ValueError, match="max_seqlen"):
+        softmax_attention(q, k, v, cu_seqlens=offsets([6]), max_seqlen=0)
+    with pytest.raises(ValueError, match="impl='varlen'.*CPU"):
+        softmax_attention(q, k, v, cu_seqlens=offsets([2, 4]), impl="varlen")
+
+
+@pytest.mark.parametrize("impl", ["naive", "sdpa", "masked"])
+def test_every_cpu_form_matches_naive_on_rows(impl):
+    q, k, v = random_qkv((2, 7, 3, 24))
+    torch.testing.assert_close(softmax_attention(q, k, v, impl=impl), softmax_attention_naive(q, k, v))
+
+
 def test_bf16_inputs_keep_their_dtype_and_stay_close():
     q, k, v = (t.detach().to(torch.bfloat16) for t in random_qkv((2, 40, 2, 16)))
     out = softmax_attention(q, k, v)
@@ -105,10 +192,11 @@ def test_mixer_is_registered_causal_with_its_options():
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_mixer_keeps_packed_documents_apart(qk_norm):
+@pytest.mark.parametrize("impl", ["auto", "masked"])
+def test_mixer_keeps_packed_documents_apart(qk_norm, impl):
     """Two rows of packed documents give, token for token, what each document gives alone."""
     torch.manual_seed(0)
-    mixer = build_mixer("softmax", 32, 4, causal=True, options={"qk_norm": qk_norm}).double()
+    mixer = build_mixer("softmax", 32, 4, causal=True, options={"qk_norm": qk_norm, "impl": impl}).double()
     x = torch.randn(2, 10, 32, dtype=torch.float64)
     position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])
     packed = mixer(x, cu_seqlens=cu_seqlens_from_position_ids(position_ids), position_ids=position_ids)
@@ -139,3 +227,61 @@ def test_cuda_bf16_matches_naive(packed):
     for g_fast, g_ref in zip(torch.autograd.grad(fast.float(), (q, k, v), upstream),
                              torch.autograd.grad(ref, (q, k, v), upstream)):
         torch.testing.assert_close(g_fast.float(), g_ref.float(), atol=5e-2, rtol=5e-2)
+
+
+def cuda_kernel_or_skip(impl):
+    """Skip where the library kernel ``impl`` (for ``auto``: any of them) does not import."""
+    if not (any(INSTALLED.values()) if impl == "auto" else INSTALLED.get(impl, True)):
+        pytest.skip(f"impl={impl!r} has no library kernel installed here")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["varlen", "flash", "masked"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_packed_forms_match_sdpa_per_document_in_bf16(impl, layout, causal):
+    """Each one-call form against SDPA once per document, both in bf16 on the GPU: output and gradients, heads of
+    64 and 128, max_seqlen the row (a loose bound, as the mixer passes it)."""
+    cuda_kernel_or_skip(impl)
+    lengths = LAYOUTS[layout] * 8  # a few hundred tokens
+    for head_dim in (64, 128):
+        q, k, v = (t.detach().to("cuda", torch.bfloat16).requires_grad_()
+                   for t in random_qkv((1, sum(lengths), 4, head_dim), dtype=torch.float32))
+        cu = offsets(lengths, "cuda")
+        one_call = softmax_attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=sum(lengths), impl=impl)
+        per_document = softmax_attention(q, k, v, causal=causal, cu_seqlens=cu, impl="sdpa")
+        torch.testing.assert_close(one_call.float(), per_document.float(), atol=2e-2, rtol=2e-2)
+        upstream = torch.randn_like(one_call)
+        for g_one, g_each in zip(torch.autograd.grad(one_call, (q, k, v), upstream),
+                                 torch.autograd.grad(per_document, (q, k, v), upstream)):
+            torch.testing.assert_close(g_one.float(), g_each.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["auto", "varlen"])
+def test_cuda_packed_mixer_step_never_syncs(impl):
+    """A packed softmax mixer's forward and backward in bf16 under ``set_sync_debug_mode("error")``: no host sync
+    in any layer (``auto`` after its first-use check, which reads values once per process, has run)."""
+    cuda_kernel_or_skip(impl)
+    mixer = build_mixer("softmax", 256, 4, causal=True, options={"impl": impl}).to("cuda", torch.bfloat16)
+    position_ids = torch.cat([torch.arange(n) for n in [700, 1, 300, 23]] * 2).view(2, 1024).cuda()
+    cu = cu_seqlens_from_position_ids(position_ids)
+    x = torch.randn(2, 1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mixer(x, cu_seqlens=cu, position_ids=position_ids).sum().backward()  # auto's first-use check, allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mixer(x, cu_seqlens=cu, position_ids=position_ids)
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_packed_benchmark_reports_every_impl_beside_sdpa_per_document(load_tool, capsys):
+    load_tool("bench_softmax_packed").main(["--batch", "2", "--seq-len", "48", "--min-doc", "1", "--max-doc", "20",
+                                            "--head-dim", "8", "--impls", "sdpa,masked,naive", "--repeats", "1"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row[1].strip() for row in rows[1:]] == ["sdpa", "masked", "naive"]
+    assert all(float(row[3]) < 1e-5 for row in rows[1:])  # each form's output matches SDPA per document

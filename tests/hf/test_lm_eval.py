@@ -32,6 +32,8 @@ doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
 metric_list:
   - metric: acc
+    aggregation: mean
+    higher_is_better: true
 """
 
 
@@ -76,6 +78,8 @@ def test_lm_eval_loglikelihoods_equal_our_scoring(export, tmp_path):
          "--include_path", str(tmp_path), "--device", "cpu", "--batch_size", "4", "--log_samples",
          "--output_path", str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # each metric without its aggregation and direction was a warning (README's task yaml gave four)
+    assert "is defined, but" not in result.stderr, result.stderr[-3000:]
     [samples] = (tmp_path / "out").glob("*/samples_local_mc_*.jsonl")
     [results] = (tmp_path / "out").glob("*/results_*.json")
 
@@ -91,3 +95,50 @@ def test_lm_eval_loglikelihoods_equal_our_scoring(export, tmp_path):
         correct += max(range(len(ours)), key=ours.__getitem__) == doc["doc"]["answer"]
     accuracy = json.loads(results.read_text())["results"]["local_mc"]["acc,none"]
     assert accuracy == pytest.approx(correct / len(docs))
+
+
+GENERATIVE_TASK = """task: local_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {items}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["😀"]
+  max_gen_toks: 6
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_generates_batched_as_one_at_a_time(export, tmp_path):
+    """A generative task (generate_until) at --batch_size 4: lm-eval pads the prompts of a batch, of different
+    lengths, on the left, and each response is the one --batch_size 1 gives (fp64: the pads are what could differ,
+    not the rounding of another batch size)."""
+    rng = random.Random(1)
+    with open(tmp_path / "gen.jsonl", "w", encoding="utf-8") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": f"Q{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))),
+                                "answer": rng.choice(WORDS)}) + "\n")
+    (tmp_path / "local_gen.yaml").write_text(GENERATIVE_TASK.format(items=tmp_path / "gen.jsonl"), encoding="utf-8")
+    responses = {}
+    for batch_size in (1, 4):
+        out = tmp_path / f"out{batch_size}"
+        env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+                   OMP_NUM_THREADS="1")
+        result = subprocess.run(
+            [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+             f"pretrained={export(PATTERNS[-1])},trust_remote_code=True,add_bos_token=True,dtype=float64",
+             "--tasks", "local_gen", "--include_path", str(tmp_path), "--device", "cpu", "--batch_size",
+             str(batch_size), "--log_samples", "--output_path", str(out)], env=env, capture_output=True, text=True,
+            timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        [samples] = out.glob("*/samples_local_gen_*.jsonl")
+        docs = [json.loads(line) for line in samples.read_text(encoding="utf-8").splitlines()]
+        responses[batch_size] = {doc["doc_id"]: doc["resps"][0][0] for doc in docs}
+    assert len(responses[4]) == 8 and responses[4] == responses[1]
+    assert len(set(responses[4].values())) > 1  # the prompts' own continuations, not one string for all

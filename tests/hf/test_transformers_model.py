@@ -47,32 +47,79 @@ def test_greedy_generate_equals_tools_generate(export, pattern, load_tool):
     assert out == expected + ([EOS_ID] if len(expected) < new else [])  # transformers keeps the eos it stops at
 
 
-def test_generate_batches_equal_lengths_and_refuses_left_padding(export):
+def left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one batch padded on the left with the pad id (0), and its attention mask."""
+    width = max(len(prompt) for prompt in prompts)
+    batch, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        batch[row, width - len(prompt):], mask[row, width - len(prompt):] = prompt, 1
+    return batch, mask
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=name)
+def test_prompts_of_different_lengths_decode_together_as_alone(export, pattern):
+    """A left-padded batch (what generate and lm-evaluation-harness send): the logits of each row's real tokens,
+    prompt and continuation, are those of its prompt alone, and greedy generate picks each row's tokens as alone.
+    In fp64, so the comparison sees the pads, not the rounding of another batch size."""
+    model = AutoModelForCausalLM.from_pretrained(export(pattern)).double()
+    prompts = [ids(1, length, seed=10 + length)[0] for length in (19, 6, 1, 11)]
+    batch, mask = left_padded(prompts)
+    more = ids(len(prompts), 3, seed=9)
+    with torch.no_grad():
+        prefilled = model(batch, attention_mask=mask, use_cache=True)
+        continued = model(more, attention_mask=torch.cat([mask, torch.ones_like(more)], 1), cache=prefilled.cache)
+        for row, prompt in enumerate(prompts):
+            expected = model(torch.cat([prompt, more[row]])[None]).logits[0]
+            torch.testing.assert_close(prefilled.logits[row, batch.shape[1] - len(prompt):], expected[:len(prompt)],
+                                       rtol=0, atol=1e-10)
+            torch.testing.assert_close(continued.logits[row], expected[len(prompt):], rtol=0, atol=1e-10)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    together = model.generate(batch, attention_mask=mask, **kwargs)[:, batch.shape[1]:]
+    for row, prompt in enumerate(prompts):
+        assert torch.equal(together[row], model.generate(prompt[None], **kwargs)[0, len(prompt):])
+
+
+def test_left_padded_generation_without_a_cache_and_with_beams(export):
+    """Without a cache, the left pads are a document of their own: recomputing each prefix finds the tokens the
+    states find, for greedy search and for beams (whose rows the cache's pads follow)."""
     model = AutoModelForCausalLM.from_pretrained(export(HYBRID))
-    prompts = ids(3, 20, seed=2)
-    batched = model.generate(prompts, max_new_tokens=8, do_sample=False, min_new_tokens=8)
-    for row in range(3):
-        alone = model.generate(prompts[row:row + 1], max_new_tokens=8, do_sample=False, min_new_tokens=8)
-        assert torch.equal(batched[row], alone[0])
-    mask = torch.ones_like(prompts)
-    mask[0, :4] = 0  # the first prompt is 4 tokens shorter, padded on the left
-    with pytest.raises(ValueError, match="equal length only: the attention mask has padding"):
-        model.generate(prompts, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    batch, mask = left_padded([ids(1, 9, seed=20)[0], ids(1, 4, seed=21)[0]])
+    for beams in (1, 3):
+        kwargs = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, num_beams=beams, do_sample=False)
+        assert torch.equal(model.generate(batch, use_cache=True, **kwargs),
+                           model.generate(batch, use_cache=False, **kwargs))
 
 
-def test_right_padding_leaves_the_real_tokens_logits(export):
-    """What lm-evaluation-harness sends: rows of different lengths, padded on the right. In fp64: the chunked forms
-    sum in another order for another length, which fp32 rounds differently."""
+def test_right_padding_and_holes_are_refused_while_decoding(export):
+    model = AutoModelForCausalLM.from_pretrained(export(HYBRID))
+    prompts = ids(2, 10, seed=2)
+    right = torch.ones_like(prompts)
+    right[0, 7:] = 0
+    with pytest.raises(ValueError, match="decodes left-padded rows only: the attention mask has a pad after a real"):
+        model.generate(prompts, attention_mask=right, max_new_tokens=2, do_sample=False)
+    hole = torch.ones_like(prompts)
+    hole[1, 3:5] = 0
+    for use_cache in (True, False):
+        with pytest.raises(ValueError, match="pad between two real tokens: each row must be one run of real tokens"):
+            model(prompts, attention_mask=hole, use_cache=use_cache)
+    cache = model(prompts, attention_mask=right.flip(1), use_cache=True).cache
+    with pytest.raises(ValueError, match=r"left pads per row \(none\) are not those the cache's prompt had"):
+        model(prompts[:, :1], attention_mask=torch.ones(2, 11, dtype=torch.long), cache=cache)
+
+
+def test_padding_leaves_the_real_tokens_logits(export):
+    """What lm-evaluation-harness sends to score: rows of different lengths, padded on the right, whose pads follow
+    every real token; and padded on the left, whose pads a forward without a cache reads as a document of their own.
+    In fp64: the chunked forms sum in another order for another length, which fp32 rounds differently."""
     model = AutoModelForCausalLM.from_pretrained(export(HYBRID)).double()
     tokens = ids(2, 30, seed=3)
     mask = torch.ones_like(tokens)
     mask[1, 17:] = 0
     with torch.no_grad():
-        padded = model(tokens, attention_mask=mask).logits
-        alone = model(tokens[1:, :17]).logits
-    torch.testing.assert_close(padded[1, :17], alone[0], rtol=0, atol=1e-10)
-    with pytest.raises(ValueError, match="left padding"):
-        model(tokens, attention_mask=mask.flip(1))
+        right = model(tokens, attention_mask=mask).logits
+        torch.testing.assert_close(right[1, :17], model(tokens[1:, :17]).logits[0], rtol=0, atol=1e-10)
+        left = model(tokens, attention_mask=mask.flip(1)).logits
+        torch.testing.assert_close(left[1, 13:], model(tokens[1:, 13:]).logits[0], rtol=0, atol=1e-10)
 
 
 def test_beam_search_picks_rows_of_the_states(export):

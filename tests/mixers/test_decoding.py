@@ -5,6 +5,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from pretrain.attention import REGISTRY
+from pretrain.models.left_padded import join_rows
 
 DIM = 16  # the default width of the make_mixer fixture
 
@@ -99,3 +100,28 @@ def test_a_state_holds_each_row_at_its_first_dimension(make_mixer, name, options
         _, row_state = mixer.prefill(x[row:row + 1])
         picked = tree_map(lambda t, r=row: t[r:r + 1] if isinstance(t, torch.Tensor) else t, batch_state)
         torch.testing.assert_close(picked, row_state, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name,options", CAUSAL_CASES, ids=lambda c: str(c))
+def test_rows_prefilled_apart_decode_together(make_mixer, name, options):
+    """Prompts of different lengths (1 to 13 tokens, as a left-padded batch holds them): each prefilled alone, the
+    states joined into one batch (``pretrain.models.left_padded.join_rows``: a growing cache left-padded, a count
+    per row), then stepped together; each row's outputs are those of its prompt decoded alone."""
+    mixer = make_mixer(name, causal=True, **options)
+    x = torch.randn(4, 19, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    lengths, new = [7, 1, 13, 2], 5
+    alone, states = [], []
+    for row, length in enumerate(lengths):
+        _, state = mixer.prefill(x[row:row + 1, :length])
+        states.append(state)
+        steps = []
+        for t in range(length, length + new):
+            y_t, state = mixer.step(x[row:row + 1, t], state)
+            steps.append(y_t)
+        alone.append(torch.cat(steps))
+    state = join_rows(states, [torch.tensor([row]) for row in range(len(lengths))], len(lengths))
+    together = []
+    for i in range(new):
+        y_t, state = mixer.step(torch.stack([x[row, length + i] for row, length in enumerate(lengths)]), state)
+        together.append(y_t)
+    torch.testing.assert_close(torch.stack(together, dim=1), torch.stack(alone), rtol=1e-10, atol=1e-10)

@@ -49,6 +49,25 @@ def test_decoding_logits_equal_the_parallel_forward(pattern, prompt):
 
 
 @pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
+def test_left_padded_prompts_decode_as_alone(pattern):
+    """Prompts of 11, 3, 1 and 11 tokens left-padded to one batch (``prefill(ids, starts)``), then stepped together:
+    each row's logits are its prompt's alone; a pad token of any value changes nothing."""
+    model = random_lm(pattern)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+    starts = torch.tensor([0, 8, 10, 0])
+    ids[1, :8], ids[2, :10] = 7, 63  # left pads
+    with torch.no_grad():
+        logits, states = model.prefill(ids[:, :11], starts)
+        together = [logits]
+        for t in range(11, 16):
+            logits, states = model.step(ids[:, t], states)
+            together.append(logits)
+        for row, start in enumerate(starts.tolist()):
+            alone = model(ids[row:row + 1, start:])[0, 10 - start:]
+            torch.testing.assert_close(torch.stack(together, dim=1)[row], alone, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
 def test_greedy_generation_is_the_argmax_of_the_parallel_forward(pattern, generate_tool):
     model = random_lm(pattern)
     prompt = [5, 17, 42]

@@ -189,7 +189,6 @@ def test_auto_runs_the_chunked_form():
 @pytest.mark.parametrize("change, message", [
     ({"normalize": "subtractive"}, "subtractive' does not combine with decay"),
     ({"normalize": "softmax"}, "normalize must be one of"),
-    ({"impl": "triton"}, "no Triton kernel"),
     ({"impl": "fast"}, "impl must be one of"),
     ({"g": torch.zeros(3, dtype=torch.float64)}, r"must be \[H\] = \[2\]"),
     ({"g": torch.full((2,), 0.5, dtype=torch.float64)}, "finite and ≤ 0"),

@@ -1,8 +1,8 @@
-"""Per-document sums (``ops.documents.document_sums``) against a loop over each document's own tokens."""
+"""Per-document sums (``ops.documents.document_sums``) against a loop over each document's own tokens; document ids."""
 import pytest
 import torch
 
-from pretrain.ops.documents import document_sums
+from pretrain.ops.documents import check_offsets, document_ids, document_sums
 
 
 def loop_sums(x, cu_seqlens, *, causal, initial):
@@ -39,3 +39,28 @@ def test_document_sums_match_each_document_alone(causal, packed, with_initial):
     assert sums.shape == x.shape and totals.shape == (num, 3, 2)
     torch.testing.assert_close(sums.double(), want_sums, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(totals.double(), want_totals, rtol=1e-6, atol=1e-5)
+
+
+def test_document_ids_count_documents_and_read_nothing_from_the_device():
+    """Each token's document, empty documents marking their shared start once (as the chunked ops lay them out);
+    on the meta device too, where reading a value (a host sync on a GPU) raises."""
+    cu = torch.tensor([0, 2, 2, 3, 7], dtype=torch.int32)  # an empty document between the first two
+    assert document_ids(7, cu).tolist() == [0, 0, 1, 2, 2, 2, 2]
+    assert document_ids(4, None).tolist() == [0, 0, 0, 0]
+    assert document_ids(7, cu.to("meta"), "meta").shape == (7,)
+
+
+def test_offsets_are_read_once_per_tensor_and_again_after_a_change(monkeypatch):
+    """Every layer gets the model's one offsets tensor: reading it per layer was a host sync per layer on a GPU."""
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
+    offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
+    assert [check_offsets(offsets, 8) for _ in range(4)] == [2] * 4
+    assert len(reads) == 1
+    offsets[1] = 0  # changed in place: read and refused
+    with pytest.raises(ValueError, match="rise strictly"):
+        check_offsets(offsets, 8)
+    with pytest.raises(ValueError, match="from 0 to T=9"):  # another length: checked again
+        check_offsets(torch.tensor([0, 3, 8]), 9)
+    assert len(reads) == 3

@@ -1,9 +1,10 @@
 """``impl="auto"`` takes a kernel nobody has run on this device only after its first-use check (ops/first_use.py).
 
 On CPU the check is exercised by injecting kernels: a wrong one (output, or only its backward), one that raises, and
-a correct one, in place of the Triton linear-attention kernel and of flash-attn.
+a correct one, in place of the Triton linear-attention kernel and of softmax's flash-attn and varlen_attn.
 """
 import importlib
+import re
 import warnings
 
 import pytest
@@ -148,30 +149,59 @@ def test_the_check_runs_under_no_grad(monkeypatch):
         la.linear_attention(*features(), impl="auto")
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-def test_flash_attn_is_checked_against_sdpa(monkeypatch, packed):
-    def wrong_flash(q, k, v, causal, cu_seqlens):
-        return sm._sdpa(q, k, v, causal, cu_seqlens).flip(1)  # every token gets another token's output
+def use_softmax_kernels(monkeypatch, **kernels):
+    """``kernels`` in place of flash-attn's and varlen_attn's, auto's candidates in this order (as on CUDA with
+    them installed)."""
+    for name, kernel in kernels.items():
+        monkeypatch.setitem(sm.KERNELS, name, kernel)
+    monkeypatch.setattr(sm, "_candidates", lambda q, packed: list(kernels))
 
-    flash = Counted(wrong_flash)
-    monkeypatch.setattr(sm, "flash", flash)
-    monkeypatch.setattr(sm, "_flash_may_run", lambda q: True)
+
+def per_document_sdpa(q, k, v, causal, cu_seqlens, max_seqlen):
+    return sm.sdpa(q, k, v, causal, cu_seqlens)
+
+
+def shuffled_sdpa(q, k, v, causal, cu_seqlens, max_seqlen):
+    return sm.sdpa(q, k, v, causal, cu_seqlens).flip(1)  # every token gets another token's output
+
+
+@pytest.mark.parametrize("name", ["flash", "varlen"])
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_softmax_kernels_are_checked_against_sdpa(monkeypatch, name, packed):
+    kernel = Counted(shuffled_sdpa)
+    use_softmax_kernels(monkeypatch, **{name: kernel})
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 50, 2, 8, generator=gen) for _ in range(3))
     cu = torch.tensor([0, 20, 50]) if packed else None
-    with pytest.warns(RuntimeWarning, match="flash-attn failed its first-use check.*scaled_dot_product_attention"):
+    with pytest.warns(RuntimeWarning, match=re.escape(sm.NAMES[name]) + " failed its first-use check.*"
+                                            "scaled_dot_product_attention"):
         got = sm.softmax_attention(q, k, v, cu_seqlens=cu)
-    torch.testing.assert_close(got, sm._sdpa(q, k, v, True, cu), rtol=0, atol=0)
+    torch.testing.assert_close(got, sm.sdpa(q, k, v, True, cu), rtol=0, atol=0)
     sm.softmax_attention(q, k, v, cu_seqlens=cu)
-    assert flash.calls == 1
+    assert kernel.calls == 1
 
 
-def test_a_correct_flash_is_taken(monkeypatch):
-    flash = Counted(lambda q, k, v, causal, cu: sm._sdpa(q, k, v, causal, cu))
-    monkeypatch.setattr(sm, "flash", flash)
-    monkeypatch.setattr(sm, "_flash_may_run", lambda q: True)
+def test_a_correct_softmax_kernel_is_taken_after_a_wrong_one(monkeypatch):
+    """flash-attn first; when it fails its check, varlen_attn is checked and, matching, taken from then on."""
+    flash, varlen = Counted(shuffled_sdpa), Counted(per_document_sdpa)
+    use_softmax_kernels(monkeypatch, flash=flash, varlen=varlen)
     q = k = v = torch.randn(1, 30, 2, 8)
+    cu = torch.tensor([0, 1, 30])
+    with pytest.warns(RuntimeWarning, match="flash-attn failed"):
+        sm.softmax_attention(q, k, v, cu_seqlens=cu)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sm.softmax_attention(q, k, v)
-    assert flash.calls == 2
+        sm.softmax_attention(q, k, v, cu_seqlens=cu)
+    assert (flash.calls, varlen.calls) == (1, 3)  # each check once, then varlen for both requests
+
+
+def test_a_decided_softmax_check_makes_nothing_on_the_device(monkeypatch):
+    """Once a request class has its verdict, auto builds no check inputs (on a GPU, copying them there waits for
+    the device: a host sync on every layer of every step)."""
+    use_softmax_kernels(monkeypatch, varlen=Counted(per_document_sdpa))
+    made = Counted(sm.sample_inputs)
+    monkeypatch.setattr(sm, "sample_inputs", made)
+    q = k = v = torch.randn(1, 30, 2, 8)
+    for _ in range(3):
+        sm.softmax_attention(q, k, v, cu_seqlens=torch.tensor([0, 1, 30]))
+    assert made.calls == 1

@@ -271,6 +271,30 @@ def test_auto_leaves_fla_alone_where_it_cannot_run(monkeypatch):
         assert_auto_is_chunk(request, fla)
 
 
+@pytest.mark.parametrize("ours", ["trusted", "raises"])
+def test_auto_takes_our_kernel_first_and_fla_where_ours_fails(monkeypatch, ours):
+    """As on CUDA with both installed: ours once it passed its check; fla only where ours failed it."""
+    fla = install(monkeypatch, StandIn())
+    decayed_module = importlib.import_module("pretrain.ops.decayed_linear_attention")
+
+    def kernel(*args, **kwargs):
+        if ours == "raises":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        return decayed_module.decayed_linear_attention_chunk(*args, **kwargs)
+
+    monkeypatch.setattr(decayed_module, "_triton_may_run", lambda q: True)
+    monkeypatch.setitem(decayed_module._RUN, "triton", kernel)
+    request = fp32_requests()["decayed"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = request("auto")
+    assert fla.calls["chunk_simple_gla"] == (0 if ours == "trusted" else 1 + 1)  # fla's own check, then the request
+    assert [str(w.message).split(" failed")[0] for w in caught] == \
+        ([] if ours == "trusted" else ["the Triton decayed linear-attention kernel"])
+    for a, b in zip(got, request("chunk")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_auto_without_fla_installed_is_chunk(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", None)  # as if not installed: import fails, find_spec finds nothing
     monkeypatch.setattr(flash_linear, "on_cuda", lambda x: True)

@@ -1,6 +1,7 @@
 """Helpers of the training tests: tiny-run overrides, launching launch/pretrain.py, reading metrics.jsonl."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,13 @@ def read_metrics(run_dir: Path) -> dict[int, dict]:
         record = json.loads(line)
         by_step.setdefault(record["step"], {}).update(record)
     return by_step
+
+
+def rewound(run: Path, tmp_path: Path, *, to: str, drop: str) -> Path:
+    """A copy of ``run`` as it was when stopped after checkpoint ``to`` (tag ``drop``, saved later, removed; the
+    metrics logged after ``to`` stay, as a stopped run's do)."""
+    copy = tmp_path / "resumed"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / drop)
+    (copy / "checkpoints" / "latest").write_text(to)
+    return copy

@@ -11,6 +11,7 @@ TOOLS = [
     (["tools/eval_cls.py"], ["--run", "--tag", "--data", "--json"], "(default: cpu)"),
     (["tools/generate.py"], ["--run", "--tag"], "most tokens to generate (default: 100)"),
     (["tools/export.py"], ["--run", "--tag", "--out"], "dtype of the stored weights (default: fp32)"),
+    (["tools/reshard.py"], ["--run", "--tag", "--json"], "(default: 4)"),
     (["tools/make_shards.py", "text"], ["--input", "--out"], "(default: 10000)"),
     (["tools/make_shards.py", "verify"], ["--data"], None),
     (["tools/demo.py"], ["--run"], "(default: runs/demo)"),

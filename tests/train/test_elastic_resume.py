@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from pretrain.train import checkpoint
 
+import launching
 from launching import launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.dist
@@ -42,12 +43,7 @@ def runs(lm_data, tmp_path_factory):
 
 
 def rewound(run, tmp_path):
-    """A copy of ``run`` as it was when stopped after step 2's checkpoint (its metrics of steps 3, 4 included)."""
-    copy = tmp_path / "resumed"
-    shutil.copytree(run, copy)
-    shutil.rmtree(copy / "checkpoints" / checkpoint.tag_for(STEPS))
-    (copy / "checkpoints" / "latest").write_text(checkpoint.tag_for(2))
-    return copy
+    return launching.rewound(run, tmp_path, to=checkpoint.tag_for(2), drop=checkpoint.tag_for(STEPS))
 
 
 def assert_continues(resumed, reference, *, rel=1e-5):
@@ -98,7 +94,7 @@ def test_a_changed_global_batch_is_said_moved_shards_resume_and_other_keys_are_r
     resumed = rewound(reference, tmp_path)
     for change, key in [({"model__dim": 32}, "model.dim"), ({"train__max_steps": 1}, "train.max_steps")]:
         result = launch(overrides(lm_data, resumed, **change), check=False)
-        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
         assert result.stderr.strip().splitlines()[-1].startswith(f"config error: {key}: ")
     moved = tmp_path / "moved"  # the shards moved elsewhere (same manifest): the stream resumes from them
     shutil.copytree(lm_data["train_shards"].rsplit("/", 1)[0], moved)

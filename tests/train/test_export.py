@@ -205,7 +205,7 @@ def test_init_from_starts_from_the_source_weights_and_a_relaunch_resumes(exporte
 
 def test_init_from_another_architecture_is_refused_naming_the_parameter_and_both_shapes(run, lm_data, tmp_path):
     result = launch(init_overrides(lm_data, tmp_path / "wider", run(0), model__dim=96), check=False)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("config error: train.init_from: parameter embed.weight has shape [320, 64] in "
                               f"{run(0) / 'checkpoints' / TAG} but shape [320, 96] in this run's model"), message
@@ -214,7 +214,7 @@ def test_init_from_another_architecture_is_refused_naming_the_parameter_and_both
 
 def test_init_from_a_deeper_model_names_the_parameter_the_source_lacks(run, lm_data, tmp_path):
     result = launch(init_overrides(lm_data, tmp_path / "deeper", run(0), model__n_layers=3), check=False)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1].startswith(
         f"config error: train.init_from: parameter layers.2.mixer_norm.weight is absent in "
         f"{run(0) / 'checkpoints' / TAG} but has shape [64] in this run's model"), result.stderr[-3000:]
@@ -222,7 +222,7 @@ def test_init_from_a_deeper_model_names_the_parameter_the_source_lacks(run, lm_d
 
 def test_init_from_a_missing_directory_is_one_line_naming_it(lm_data, tmp_path):
     result = launch(init_overrides(lm_data, tmp_path / "run", tmp_path / "absent"), check=False)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         f"config error: train.init_from: cannot load {tmp_path / 'absent'}: {tmp_path / 'absent'} is neither a run "
         f"directory (no {tmp_path / 'absent' / 'config.yaml'}) nor an exported model (no "

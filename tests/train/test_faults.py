@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from pretrain.data import TokenLoader
+from pretrain.exit_codes import CONFIG_ERROR, CORRUPT_SHARD
 from pretrain.train import checkpoint
 
-from launching import PYTHON, REPO, read_metrics, tiny_overrides
+from launching import PYTHON, REPO, launch, read_metrics, tiny_overrides
 
 pytestmark = pytest.mark.dist
 PROMPTLY = 90  # seconds a failing run may take to end (DeepSpeed's start-up included)
@@ -27,9 +28,9 @@ def start(overrides: list[str], ranks: int = 1, launcher: str = "python") -> sub
     """launch/pretrain.py in a session of its own, output merged, as a user would start it."""
     if launcher == "python":
         argv = [PYTHON, "launch/pretrain.py"]
-    elif launcher == "torchrun":
-        argv = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                "launch/pretrain.py"]
+    elif launcher in ("torchrun", "pretrain-torchrun"):  # torchrun's agent, or ours around it (launch/torchrun.py)
+        agent = ["-m", "torch.distributed.run"] if launcher == "torchrun" else ["launch/torchrun.py"]
+        argv = [PYTHON, *agent, "--standalone", f"--nproc_per_node={ranks}", "launch/pretrain.py"]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -174,9 +175,11 @@ def test_a_full_disk_for_the_metrics_ends_the_run_naming_the_run_directory(lm_da
     assert f"File too large, writing under {run} (" in error[0] and "MiB free there" in error[0], error
 
 
-def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data, tmp_path):
-    """The third shard this rank reads is truncated: the worker meets it after the first steps and checkpoints; the
-    run must end at once, non-zero, with one line naming the shard, and keep its checkpoints."""
+def test_a_corrupt_shard_met_mid_run_saves_the_last_step_and_names_the_key_that_skips_it(lm_data, tmp_path):
+    """The third shard this rank reads is truncated: the worker meets it mid-run, long after the last periodic
+    checkpoint. The run must save the last completed step (nothing was, before: the steps since the last checkpoint
+    were lost), end at once with ``CORRUPT_SHARD`` and one line naming the shard and ``data.skip_corrupt``; the
+    relaunch with it leaves the shard out, counts it, and trains exactly as a run that skipped it from the start."""
     data = tmp_path / "shards"
     shutil.copytree(Path(lm_data["train_shards"]).parent, data)
     pattern = str(data / "shard-{000000..000099}.tar")
@@ -184,19 +187,32 @@ def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data,
     corrupt = Path(order[2])
     corrupt.write_bytes(corrupt.read_bytes()[:5000])
     run = tmp_path / "run"
-    process = start(tiny_overrides(lm_data, run, data__train_shards=pattern, data__num_workers=1,
-                                   train__max_steps=10_000, checkpoint__every=2, log__val_every=10_000))
+    settings = dict(data__train_shards=pattern, data__num_workers=1, checkpoint__every=1000, log__val_every=1000,
+                    schedule__name="constant")  # constant: a changed max_steps leaves the LR as it was
+    process = start(tiny_overrides(lm_data, run, train__max_steps=1000, **settings))
     output = finish(process, timeout=PROMPTLY + 60)
-    assert process.returncode == 1, output[-4000:]
+    assert process.returncode == CORRUPT_SHARD, output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     error = [line for line in output.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and corrupt.name in error[0], output[-4000:]
     assert output.startswith("joining 1 rank\n"), output[:2000]  # before anything else; the op is built already
     assert "step 0: opening the training shards (data.num_workers=1)" in output, output[-4000:]
     assert "built successfully" not in output and "Setting accelerator" not in output, output[:2000]
-    assert max(read_metrics(run)) >= 4  # it failed mid-run, after steps and checkpoints
     ckpts = run / "checkpoints"
-    assert checkpoint.partial_tags(ckpts) == [] and checkpoint.latest_tag(ckpts) == complete_tags(ckpts)[-1]
+    saved = max(read_metrics(run))  # the last step trained, before the one whose batch was unreadable
+    assert saved >= 4 and checkpoint.latest_tag(ckpts) == checkpoint.tag_for(saved) == complete_tags(ckpts)[-1]
+    assert f"at step {saved + 1}; saved step {saved} ({ckpts / checkpoint.tag_for(saved)}). Relaunch the same " \
+           "command with data.skip_corrupt=true to leave the shard out" in error[0], error[0]
+
+    steps = saved + 3
+    resumed = launch(tiny_overrides(lm_data, run, train__max_steps=steps, data__skip_corrupt="true", **settings))
+    assert f"resumed from {ckpts / checkpoint.tag_for(saved)}" in resumed.stdout, resumed.stdout[-3000:]
+    reference = tmp_path / "skipping"
+    launch(tiny_overrides(lm_data, reference, train__max_steps=steps, data__skip_corrupt="true", **settings))
+    after, expected = read_metrics(run), read_metrics(reference)
+    assert [after[s]["train/loss"] for s in range(1, steps + 1)] == [expected[s]["train/loss"]
+                                                                     for s in range(1, steps + 1)]
+    assert after[saved]["train/skipped_shards"] == 0 and after[steps]["train/skipped_shards"] == 1
 
 
 def wchan(pid: int) -> str:
@@ -304,7 +320,7 @@ def rank_pid(launcher_pid: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "pretrain-torchrun"])
 def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm_data, tmp_path, launcher):
     """SIGKILL one of two ranks after the first checkpoint: the launcher must end the job, non-zero, within a bounded
     time, and the surviving rank say which rank died and which checkpoint a relaunch resumes from."""
@@ -324,6 +340,24 @@ def test_a_rank_killed_mid_training_ends_the_job_naming_it_and_the_checkpoint(lm
     assert len(said) == 1, output[-4000:]
     assert f"rank 1 (pid {victim}) died at step" in said[0], said
     assert f"relaunch the same command to resume from {ckpts / latest}" in said[0], said
+    if launcher == "pretrain-torchrun":  # the killed rank named in one line, and a shell's status for its signal
+        assert process.returncode == 128 + signal.SIGKILL, output[-4000:]
+        assert f"rank 1 (pid {victim}) was killed by SIGKILL" in output.splitlines(), output[-4000:]
+        assert "ChildFailedError" not in output and "Traceback" not in output, output[-4000:]
+
+
+def test_a_config_error_under_torchrun_is_said_once_and_under_pretrain_torchrun_exits_2(lm_data, tmp_path):
+    """Every rank finds the same config error: rank 0 says it, once (each rank did, each followed by torchrun's
+    35-42-line report); launch/torchrun.py prints nothing else and exits with the ranks' status, not 1."""
+    overrides = tiny_overrides(lm_data, tmp_path / "run", model__n_heads=3)
+    said = "config error: model.n_heads: model.dim 64 must be divisible by model.n_heads 3"
+    plain = start(overrides, ranks=2, launcher="torchrun")
+    output = finish(plain)
+    assert plain.returncode == 1 and output.count(said) == 1, output[-4000:]
+    ours = start(overrides, ranks=2, launcher="pretrain-torchrun")
+    output = finish(ours)
+    assert ours.returncode == CONFIG_ERROR, output[-4000:]
+    assert [line for line in output.splitlines() if line.strip()] == [f"{said} (got 3)"], output[-4000:]
 
 
 def test_a_build_lock_is_stale_only_when_no_process_holds_it(tmp_path):

@@ -7,8 +7,8 @@ import signal
 import pytest
 from test_faults import complete_tags, finish, rank_pid, start, wait_for
 
+from pretrain.exit_codes import PREEMPTED
 from pretrain.train import checkpoint
-from pretrain.train.preemption import PREEMPTED
 
 from launching import read_metrics, tiny_overrides
 
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.dist
     ("deepspeed", "group", 1),     # its per-node launcher SIGTERMs every rank's workers before the rank
     ("torchrun", "launcher", 1),
     ("torchrun", "launcher", 0),
+    ("pretrain-torchrun", "launcher", 1),  # torchrun's agent inside ours: the ranks' 75, no SignalException report
     ("python", "rank", 0),         # the rank is the process: it must exit with PREEMPTED
 ])
 def test_sigterm_saves_once_on_every_rank_and_leaves_no_process(lm_data, tmp_path, launcher, target, workers):
@@ -43,8 +44,9 @@ def test_sigterm_saves_once_on_every_rank_and_leaves_no_process(lm_data, tmp_pat
     assert len(said) == 1, output[-4000:]  # rank 0 speaks for every rank
     step = int(said[0][1])
     assert complete_tags(run / "checkpoints") == [checkpoint.tag_for(step)], output[-4000:]  # saved once, complete
-    if launcher == "python":
+    if launcher in ("python", "pretrain-torchrun"):
         assert process.returncode == PREEMPTED, output[-4000:]
+        assert "Traceback" not in output and "SignalException" not in output, output[-4000:]
     else:
         assert process.returncode != 0, output[-4000:]
     if target == "launcher" and launcher == "deepspeed":

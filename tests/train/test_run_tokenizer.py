@@ -43,11 +43,11 @@ def test_a_swapped_tokenizer_is_refused_by_the_resume_and_every_tool(lm_data, tm
                f"{pinned['sha256']}, 320 pieces" in said, said[-3000:]
 
     resumed = launch([*overrides, "train.max_steps=4"], check=False)
-    assert resumed.returncode == 1 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     refused(resumed.stderr, run)
     initialised = launch(tiny_overrides(lm_data, tmp_path / "new", train__max_steps=2, schedule__warmup_steps=1,
                                         train__init_from=run), check=False)  # its own tokenizer is the original
-    assert initialised.returncode == 1 and "config error: train.init_from: cannot load" in initialised.stderr
+    assert initialised.returncode == 2 and "config error: train.init_from: cannot load" in initialised.stderr
     refused(initialised.stderr, run)
 
     capsys.readouterr()

@@ -33,6 +33,19 @@ def test_constant_stays_at_lr():
     assert {lr_at(k, name="constant", **BASE) for k in range(10, 200)} == {1.0}
 
 
+def test_a_warmup_longer_than_the_run_is_shortened_to_a_tenth_of_the_run_and_said():
+    """A first ten-step try of a config with a 30-step warmup: it warms up over 1 step, then decays as usual."""
+    short = dict(BASE, warmup_steps=30, max_steps=10)
+    assert [lr_at(k, name="cosine", **short) for k in range(10)] == pytest.approx(
+        [lr_at(k, name="cosine", **dict(short, warmup_steps=1)) for k in range(10)])
+    assert lr_at(0, name="cosine", **short) == 1.0 and lr_at(10, name="cosine", **short) == pytest.approx(0.1)
+    assert Plan(name="cosine", **short).warmup_notice() == (
+        "schedule.warmup_steps 30 is longer than train.max_steps 10: warming up over 1 step instead (a tenth of the "
+        "run)")
+    assert lr_at(0, name="cosine", **dict(short, max_steps=100)) == pytest.approx(1 / 30)  # 100 steps: as configured
+    assert Plan(name="cosine", **dict(short, warmup_steps=10)).warmup_notice() is None  # the whole run: as asked
+
+
 def test_unknown_schedule_names_the_key():
     with pytest.raises(ValueError, match="schedule.name"):
         lr_at(50, name="linear", **BASE)

@@ -112,7 +112,8 @@ def _one_rank_poisoned(rank: int, port: int, out) -> None:
         close_process_group()
 
 
-def test_any_ranks_nonfinite_loss_or_stop_signal_holds_for_every_rank():
+def on_two_ranks(target, *args) -> list:
+    """``target(rank, port, *args, out)`` in two spawned gloo ranks; what they put in ``out``, sorted."""
     import socket
 
     with socket.socket() as s:
@@ -120,11 +121,66 @@ def test_any_ranks_nonfinite_loss_or_stop_signal_holds_for_every_rank():
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     out = context.Queue()
-    processes = [context.Process(target=_one_rank_poisoned, args=(rank, port, out)) for rank in range(2)]
+    processes = [context.Process(target=target, args=(rank, port, *args, out)) for rank in range(2)]
     for process in processes:
         process.start()
     results = sorted(out.get(timeout=300) for _ in processes)
     for process in processes:
         process.join(timeout=60)
         assert process.exitcode == 0
+    return results
+
+
+def test_any_ranks_nonfinite_loss_or_stop_signal_holds_for_every_rank():
+    results = on_two_ranks(_one_rank_poisoned)
     assert results == [(0, True, True, True), (1, True, True, True)]  # both skipped, both stop, neither updated
+
+
+class Unreadable:
+    """A rank's stream whose next batch is in a corrupt shard."""
+
+    def __next__(self):
+        from pretrain.data import ShardError
+
+        raise ShardError("shard s.tar is truncated")
+
+
+def _one_rank_meets_a_corrupt_shard(rank: int, port: int, stage: int, out) -> None:
+    """Rank 1 alone cannot read its next batch; under ZeRO-3 its forward (on its last batch) is a collective that
+    rank 0's forward waits on. Both must skip the step, untrained, in the step's one collective."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from pretrain.config import load_config
+    from pretrain.distributed import build_engine, close_process_group, init_process_group
+    from pretrain.train.loop import train_step
+    from pretrain.train.preemption import StopRequest
+
+    world = init_process_group()
+    try:
+        cfg = load_config(None, ["data.tokenizer=x", "data.train_shards=x", "train.micro_batch_size=2",
+                                 "schedule.warmup_steps=0", "optim.weight_decay=0", f"deepspeed.zero_stage={stage}"])
+        torch.manual_seed(0)
+        engine = build_engine(cfg, torch.nn.Linear(4, 3), 2, lambda step: 1e-2)
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        batches = Unreadable() if rank == 1 else iter([torch.randn(2, 4)])
+        calls, real = [], dist.all_reduce
+        dist.all_reduce = counting(real, calls)
+        try:
+            step = train_step(engine, SquaredOutput(), batches, world, 1, StopRequest(), fallback=torch.randn(2, 4))
+        finally:
+            dist.all_reduce = real
+        unchanged = all(torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters()))
+        out.put((rank, step.loss is None, step.unreadable, step.error is not None and "s.tar" in str(step.error),
+                 unchanged, len(calls)))
+    finally:
+        close_process_group()
+
+
+def test_a_corrupt_shard_met_by_one_rank_skips_the_step_on_every_rank():
+    results = on_two_ranks(_one_rank_meets_a_corrupt_shard, 3)
+    # both skipped, both know, only rank 1 names the shard, neither trained, one all-reduce each
+    assert results == [(0, True, True, False, True, 1), (1, True, True, True, True, 1)]

@@ -8,8 +8,10 @@ other. A sibling of ``ops.linear_attention``: it shares that family's state type
 
 One public entry, ``decayed_linear_attention``, checks its inputs once and hands them to ``naive`` (the O(T²)
 definition with the decay matrix, the oracle), ``chunk`` (chunked parallel form), ``recurrent`` (token by
-token, for decoding) or ``fla`` (flash-linear-attention's ``chunk_simple_gla``, CUDA, ``normalize="none"``: ``fla.py``;
-``auto`` takes it on CUDA when fla is installed, the request fits it and it passed its first-use check); each
+token, for decoding), ``triton`` (our kernels, CUDA: ``triton.py``) or ``fla`` (flash-linear-attention's
+``chunk_simple_gla``, CUDA, ``normalize="none"``: ``fla.py``). ``auto`` on CUDA takes ours once it has passed its
+first-use check, fla where ours cannot run (Triton missing, or its check failed), fla is installed, the request fits
+it and fla passed its own check; on CPU, and otherwise, ``chunk``. Each
 exposes ``decayed_linear_attention_<impl>(q, k, v, g, *, normalize, eps, cu_seqlens,
 initial_state, output_final_state, chunk_size)`` with g already ``[B, T, H]``.
 """
@@ -25,10 +27,18 @@ from .fla import decayed_linear_attention_fla
 from .naive import decayed_linear_attention_naive
 from .recurrent import decayed_linear_attention_recurrent
 
+try:  # Triton is optional (the gpu extra)
+    from .triton import decayed_linear_attention_triton
+except ImportError:
+    decayed_linear_attention_triton = None
+
 NORMALIZATIONS = ("none", "divisive")
-IMPLS = ("auto", "naive", "chunk", "recurrent", "fla")
+IMPLS = ("auto", "naive", "chunk", "recurrent", "triton", "fla")
 _RUN = {"naive": decayed_linear_attention_naive, "chunk": decayed_linear_attention_chunk,
-        "recurrent": decayed_linear_attention_recurrent, "fla": decayed_linear_attention_fla}
+        "recurrent": decayed_linear_attention_recurrent, "triton": decayed_linear_attention_triton,
+        "fla": decayed_linear_attention_fla}
+_KERNEL_NAMES = {"triton": "the Triton decayed linear-attention kernel",
+                 "fla": "flash-linear-attention's chunk_simple_gla"}
 
 
 def decayed_linear_attention(
@@ -44,8 +54,9 @@ def decayed_linear_attention(
     its own initial state (zeros by default) and its decay starts there. initial_state / output_final_state: a
     ``LinearAttentionState`` (S, and z when divisive) per sequence or document. Returns ``o`` in the input dtype,
     or ``(o, final_state)`` with an fp32 state (fp64 for fp64 inputs).
-    impl: ``auto`` (fla on CUDA where it fits and passed its first-use check, else ``chunk``), ``naive``,
-    ``chunk``, ``recurrent`` or ``fla`` (flash-linear-attention's ``chunk_simple_gla``; CUDA, normalize none).
+    impl: ``auto`` (on CUDA ours, else fla, each once it passed its first-use check; else ``chunk``), ``naive``,
+    ``chunk``, ``recurrent``, ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``) or ``fla``
+    (flash-linear-attention's ``chunk_simple_gla``; CUDA, normalize none).
     """
     if normalize == "subtractive":
         raise ValueError("normalize='subtractive' does not combine with decay: InLine's correction divides by the "
@@ -53,9 +64,6 @@ def decayed_linear_attention(
                          f"holds; use one of {NORMALIZATIONS}")
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"normalize must be one of {NORMALIZATIONS} for decayed_linear_attention; got {normalize!r}")
-    if impl == "triton":
-        raise ValueError("decayed_linear_attention has no Triton kernel (ours covers only the undecayed op); on CUDA "
-                         "use impl='chunk', or impl='fla' (flash-linear-attention's chunk_simple_gla)")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, "auto")  # impl checked above, against this op's list
@@ -66,33 +74,51 @@ def decayed_linear_attention(
         num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         initial_state = check_state(initial_state, num, q.shape[2], q.shape[3], v.shape[3], normalize)
     if impl == "auto":
-        impl = "fla" if normalize == "none" and fla_may_run(q) and _fla_trusted(q, v, cu_seqlens, chunk_size) \
-            else "chunk"
+        impl = _automatic(q, v, normalize, cu_seqlens, chunk_size)
+    if impl == "triton" and decayed_linear_attention_triton is None:
+        raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
     run = _RUN[impl]
     return run(q, k, v, g, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens, initial_state=initial_state,
                output_final_state=output_final_state, chunk_size=chunk_size)
 
 
-def _fla_trusted(q, v, cu_seqlens, chunk_size) -> bool:
-    """fla's first-use check (``ops/first_use.py``) for this device, dtype and request class: three of fla's chunks
-    of two heads of the request's widths, per-token decay, an initial state in and the final state out (folded into
-    the compared output), a document boundary inside a chunk when the request packs them."""
+def _automatic(q, v, normalize, cu_seqlens, chunk_size) -> str:
+    """``auto``'s choice: ours on CUDA, then fla, each only once trusted; else the chunked form."""
+    if _triton_may_run(q) and _trusted("triton", q, v, normalize, cu_seqlens, chunk_size):
+        return "triton"
+    if normalize == "none" and fla_may_run(q) and _trusted("fla", q, v, normalize, cu_seqlens, chunk_size):
+        return "fla"
+    return "chunk"
+
+
+def _triton_may_run(q) -> bool:
+    """Whether ``auto`` may consider our kernel at all: CUDA, a dtype it takes, Triton installed."""
+    return q.is_cuda and q.dtype != torch.float64 and decayed_linear_attention_triton is not None
+
+
+def _trusted(impl, q, v, normalize, cu_seqlens, chunk_size) -> bool:
+    """A kernel's first-use check (``ops/first_use.py``) for this device, dtype and request class: three chunks of
+    64 tokens (fla's) and a few more, two heads of the request's widths, per-token decay, an initial state in and the
+    final state out (folded into the compared output), a document boundary inside a chunk when the request packs
+    them."""
     heads, dk, dv = min(q.shape[2], 2), q.shape[3], v.shape[3]
-    length, packed = 2 * 64 + 5, cu_seqlens is not None
-    key = ("decayed_linear_attention_fla", str(q.device), q.dtype, dk, dv, packed)
+    length, packed, divisive = 2 * 64 + 5, cu_seqlens is not None, normalize == "divisive"
+    key = (f"decayed_linear_attention_{impl}", str(q.device), q.dtype, dk, dv, normalize, packed, chunk_size)
     cu = torch.tensor([0, 37, length], device=q.device) if packed else None
     num = 2 if packed else 1
-    inputs = sample_inputs([(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (1, length, heads),
-                            (num, heads, dk, dv)], like=q, positive=(True, True, False, True))
+    shapes = [(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (1, length, heads), (num, heads, dk, dv)]
+    positive = (True, True, False, True, False, True)  # q, k, v, −g, S, z
+    inputs = sample_inputs(shapes + [(num, heads, dk)] * divisive, like=q, positive=positive)
 
     def run(impl):
-        def call(q, k, v, forget, S):
-            o, final = decayed_linear_attention(q, k, v, -forget, cu_seqlens=cu, initial_state=LinearAttentionState(S),
-                                                output_final_state=True, chunk_size=chunk_size, impl=impl)
-            return torch.cat([o.flatten(), final.S.flatten().to(o.dtype)])
+        def call(q, k, v, forget, *state):
+            o, final = decayed_linear_attention(q, k, v, -forget, normalize=normalize, cu_seqlens=cu,
+                                                initial_state=LinearAttentionState(*state), output_final_state=True,
+                                                chunk_size=chunk_size, impl=impl)
+            return torch.cat([o.flatten(), *(f.flatten().to(o.dtype) for f in final if f is not None)])
         return call
 
-    return first_use_ok(key, run("fla"), run("chunk"), inputs, kernel_name="flash-linear-attention's chunk_simple_gla",
+    return first_use_ok(key, run(impl), run("chunk"), inputs, kernel_name=_KERNEL_NAMES[impl],
                         reference_name="the chunked form (impl='chunk')")
 
 

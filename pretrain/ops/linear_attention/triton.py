@@ -47,6 +47,16 @@ def _sequence_bounds(cu_seqlens, i_n, T, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _program(cu_seqlens, T, H: tl.constexpr, VARLEN: tl.constexpr):
+    """This program's channel block, its (sequence × head) index, its ``origin`` (the row of its sequence's first
+    token and its head in the ``[tokens, H]`` layout, ``bos·H + head``: times a width, where its tiles start) and
+    its sequence's length."""
+    i_b, i_nh = tl.program_id(0), tl.program_id(1)
+    bos, eos = _sequence_bounds(cu_seqlens, i_nh // H, T, VARLEN)
+    return i_b, i_nh, bos * H + i_nh % H, (eos - bos).to(tl.int32)
+
+
+@triton.jit
 def _mm(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b in fp32 (acc may be None). The CPU interpreter multiplies bf16/fp16 wrongly, so there it
     upcasts the (already rounded) operands: the same products, exact in fp32."""
@@ -85,13 +95,10 @@ def _forward_kernel(
     HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """o = [tril(q kᵀ) v + q S] normalized; also writes ``aux`` (den or a, per token) and the final state."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
-    length = (eos - bos).to(tl.int32)
-    q, k = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK
-    v, o = v + (bos * H + i_h) * DV, o + (bos * H + i_h) * DV
-    aux += bos * H + i_h
+    i_v, i_nh, origin, length = _program(cu_seqlens, T, H, VARLEN)
+    q, k = q + origin * DK, k + origin * DK
+    v, o = v + origin * DV, o + origin * DV
+    aux += origin
     rows = tl.arange(0, BT)
     ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
@@ -169,13 +176,10 @@ def _backward_dq_kernel(
     """Forward sweep for a block of key channels (all value channels), S, z (and u) running over earlier chunks:
     dq = s ⊙ [tril(g vᵀ + c) k + g Sᵀ + c zᵀ]. c is computed here, and written for the dk sweep: −g·o when
     NORMALIZE is divisive (1), −s·g·u_t when subtractive (2)."""
-    i_k, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
-    length = (eos - bos).to(tl.int32)
-    k, dq = k + (bos * H + i_h) * DK, dq + (bos * H + i_h) * DK
-    v, g, o = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV, o + (bos * H + i_h) * DV
-    scale, center = scale + bos * H + i_h, center + bos * H + i_h
+    i_k, i_nh, origin, length = _program(cu_seqlens, T, H, VARLEN)
+    k, dq = k + origin * DK, dq + origin * DK
+    v, g, o = v + origin * DV, g + origin * DV, o + origin * DV
+    scale, center = scale + origin, center + origin
     rows = tl.arange(0, BT)
     ck = i_k * BK + tl.arange(0, BK)
     cv = tl.arange(0, BV)
@@ -246,13 +250,10 @@ def _backward_dk_dv_kernel(
     STORE_DS writes dS (and dz) as they stand before the first token: the initial state's gradient.
     HAS_DU (subtractive) also runs du = Σ_later w g from ``du_in``, the gradient of u_t = Σ_{j ≤ t} v_j, which dv
     adds; STORE_DU writes it as it stands before the first token."""
-    i_b, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos, eos = _sequence_bounds(cu_seqlens, i_n, T, VARLEN)
-    length = (eos - bos).to(tl.int32)
-    q, k, dk = q + (bos * H + i_h) * DK, k + (bos * H + i_h) * DK, dk + (bos * H + i_h) * DK
-    v, g, dv = v + (bos * H + i_h) * DV, g + (bos * H + i_h) * DV, dv + (bos * H + i_h) * DV
-    scale, center, weight = scale + bos * H + i_h, center + bos * H + i_h, weight + bos * H + i_h
+    i_b, i_nh, origin, length = _program(cu_seqlens, T, H, VARLEN)
+    q, k, dk = q + origin * DK, k + origin * DK, dk + origin * DK
+    v, g, dv = v + origin * DV, g + origin * DV, dv + origin * DV
+    scale, center, weight = scale + origin, center + origin, weight + origin
     k0 = i_b * BK if FOR_DK else 0
     v0 = 0 if FOR_DK else i_b * BV
     rows = tl.arange(0, BT)
@@ -513,15 +514,19 @@ class _LinearAttention(torch.autograd.Function):
         return dq, dk, dv, dS_0, dz_0, du_0, None, None, None, None, None, None
 
 
-def linear_attention_triton(q, k, v, *, causal=True, normalize="divisive", eps=1e-6, cu_seqlens=None,
-                            initial_state=None, output_final_state=False, chunk_size=64):
-    """``linear_attention(..., impl="triton")``: same arguments (already checked there) and results."""
+def kernel_offsets(q, cu_seqlens):
+    """Refuse inputs the kernels cannot take (a device, a dtype); ``cu_seqlens`` as they read it (int32, q's device)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {q.device}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"impl='triton' takes fp32, bf16 or fp16; got {q.dtype} (use impl='chunk')")
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    return None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+
+
+def linear_attention_triton(q, k, v, *, causal=True, normalize="divisive", eps=1e-6, cu_seqlens=None,
+                            initial_state=None, output_final_state=False, chunk_size=64):
+    """``linear_attention(..., impl="triton")``: same arguments (already checked there) and results."""
+    cu_seqlens = kernel_offsets(q, cu_seqlens)
     num = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
     zeros = zero_state(num, q.shape[2], q.shape[3], v.shape[3], "subtractive", dtype=torch.float32, device=q.device)
     initial = (None,) * 4 if initial_state is None else tuple(

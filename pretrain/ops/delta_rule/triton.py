@@ -1,0 +1,408 @@
+"""The gated delta rule's chunked form with its per-chunk and sequential parts in Triton (docs/MIXERS.md#deltanet,
+"Triton form").
+
+The WY/UT chunked form of ``chunk.py``, split much as flash-linear-attention splits it. Kernels do:
+- the UT transform, one program per (chunk, head): ``A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹`` by forward
+  substitution, ``W = A (β e^D K)``, ``U = A (β V)``; backward, with ``X = β e^D K``, ``Y = β V``:
+  ``dX = Aᵀ dW``, ``dY = Aᵀ dU``, ``dA = dW Xᵀ + dU Yᵀ`` and through the inverse ``dM = −Aᵀ dA Aᵀ`` (strictly
+  lower), whence dK, dβ and the log-gate's gradient;
+- the scan over chunks, one program per (document, head, block of value channels):
+
+    forward, chunk after chunk:   Δ = U − W S,   S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ
+    backward, in reverse, G the gradient of the state leaving the chunk:
+        dΔ = dΔ_out + (K ⊙ e^{D_C − D}) G,   G ← dS_out + e^{D_C} G − Wᵀ dΔ
+
+  (``dΔ_out``, ``dS_out``: what the output stage hands back for Δ and for the state entering the chunk), then
+  batched ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``.
+Batched PyTorch does the rest: the cumulative log-gate, Γ, the output ``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ``, and
+autograd between the pieces.
+
+Chunks start at each document's first token (packed documents are sequences of their own, as in the linear
+attention kernels): a document's last chunk is padded with tokens of β = 0, g = 0, k = q = v = 0, which write
+nothing, so no chunk holds two documents and the scan needs no masks. One program owns a (document, head, block
+of value channels) and carries its fp32 state ``[Dk, block]`` in registers; the scan's columns are independent.
+
+Memory: the chunks are walked in blocks (``BLOCK_ELEMENTS``), each run without autograd and again with it in
+backward (``ops/recompute.py``), so backward keeps only the inputs and one state per block; the per-chunk states
+(``Dk × Dv`` per chunk and head, fp32) and the UT temporaries exist for one block at a time. A block hands the state
+of the document running past its end to the next. Under ``TRITON_INTERPRET=1`` the kernels run on CPU; the tests
+hold them to ``chunk``.
+"""
+import bisect
+import os
+import weakref
+from functools import partial
+from itertools import chain
+
+import torch
+import triton
+import triton.language as tl
+
+from ..linear_attention.triton import _mm
+from ..precision import upcast
+from ..recompute import bounded_blocks, in_blocks
+
+MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registers
+# Launch settings, from the compiler's resource report for sm_90 (Dk = Dv = 128, TF32 products; no GPU timed yet):
+# blocks of 32 value channels with 4 warps spill in neither kernel; 64 with 4 or 8 warps spill in the forward.
+CONFIG = dict(value_block=32, num_warps=4, num_stages=2)
+# The UT kernels (one program per chunk and head, every channel): with 8 warps the forward does not spill; the
+# backward spills 1.6 KB a thread at C = 64, Dk = Dv = 128 (2.1 KB with 4 warps).
+UT_CONFIG = dict(num_warps=8, num_stages=1)
+# Chunks are walked in blocks whose C×C and C×width temporaries hold about this many numbers each (128 MiB in fp32;
+# 128 chunks of 64 at 32 heads of 128): each block is recomputed on its own in backward, which bounds backward's
+# peak (a few GB), while the blocks stay few enough that launches do not dominate. Not yet tuned on a GPU.
+BLOCK_ELEMENTS = 1 << 25
+
+
+@triton.jit
+def _tile_offsets(tile, ROWS: tl.constexpr, WIDTH: tl.constexpr, col, BR: tl.constexpr, BW: tl.constexpr):
+    """Offsets and mask of rows [0, ROWS) × columns [col, col + BW) of tile ``tile`` of a [tiles, ROWS, WIDTH]
+    tensor (a chunk's rows of one head, or a state)."""
+    r = tl.arange(0, BR)
+    c = col + tl.arange(0, BW)
+    offsets = tile * (ROWS * WIDTH) + r[:, None] * WIDTH + c[None, :]
+    return offsets, (r < ROWS)[:, None] & (c < WIDTH)[None, :]
+
+
+@triton.jit
+def _scan_forward_kernel(
+    w, u, handing, decay, initial, states, delta, final, first_chunk,
+    H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
+    chunk, Δ = U − W S per token and the state after its chunks. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C}
+    per chunk and head."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
+    i_n, i_h = i_nh // H, i_nh % H
+    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
+    v0 = i_v * BV
+    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
+    S = tl.load(initial + state_at, mask=state_mask, other=0.0)
+    for c in range(c0, c1):
+        tile = c * H + i_h  # int64: the offsets are loaded as such
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        tl.store(states + at, S, mask=mask)
+        at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        d = tl.load(u + at_v, mask=mask_v, other=0.0) - _mm(tl.load(w + at_k, mask=mask_k, other=0.0), S, None,
+                                                             PRECISION)
+        tl.store(delta + at_v, d, mask=mask_v)
+        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
+        S = _mm(tl.trans(hands), d, S * tl.load(decay + tile), PRECISION)
+    tl.store(final + state_at, S, mask=state_mask)
+
+
+@triton.jit
+def _scan_backward_kernel(
+    w, handing, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
+    H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_FINAL_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The forward scan's adjoint, chunks in reverse: writes G (the gradient of the state leaving each chunk), the
+    total gradient of Δ per token, and G before the first chunk (the initial state's gradient)."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
+    i_n, i_h = i_nh // H, i_nh % H
+    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
+    v0 = i_v * BV
+    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
+    G = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_FINAL_GRAD:
+        G += tl.load(d_final + state_at, mask=state_mask, other=0.0)
+    for i in range(c1 - c0):
+        tile = (c1 - 1 - i) * H + i_h
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        tl.store(grad_after + at, G, mask=mask)
+        at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
+        dd = _mm(hands, G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
+        tl.store(delta_grad + at_v, dd, mask=mask_v)
+        W = tl.load(w + at_k, mask=mask_k, other=0.0)
+        G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
+            - _mm(tl.trans(W), dd, None, PRECISION)
+    tl.store(d_initial + state_at, G, mask=state_mask)
+
+
+@triton.jit
+def _chunk_factors(k, beta, log_decay, tile, C: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr,
+                   BK: tl.constexpr, PRECISION: tl.constexpr):
+    """One chunk's K ``[BC, BK]``, β, D (the log-gate summed from the chunk's start), K Kᵀ, and Γ on the strictly
+    lower triangle (0 elsewhere: the solve's matrix has no diagonal)."""
+    rows = tl.arange(0, BC)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    K = tl.load(k + at_k, mask=mask_k, other=0.0)
+    b = tl.load(beta + tile * C + rows, mask=rows < C, other=0.0)
+    d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
+    strict = rows[:, None] > rows[None, :]
+    decay = tl.exp(tl.where(strict, d[:, None] - d[None, :], float("-inf")))
+    return K, b, d, _mm(K, tl.trans(K), None, PRECISION), decay, strict
+
+
+@triton.jit
+def _ut_forward_kernel(
+    k, v, beta, log_decay, a, w, u,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Per (chunk, head): A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹ by forward substitution, row by row; then
+    W = A (β e^D K), U = A (β V). Writes A too, for backward."""
+    tile = tl.program_id(0).to(tl.int64)
+    K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
+    M = tl.where(strict, b[:, None] * decay * KK, 0.0)
+    rows = tl.arange(0, BC)
+    A = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, C):  # row i of A: e_i − Σ_{j<i} M_ij (row j of A); rows ≥ i of A are still e_j, M_ij = 0
+        m_i = tl.sum(tl.where(rows[:, None] == i, M, 0.0), 0)
+        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(m_i[:, None] * A, 0)
+        A = tl.where(rows[:, None] == i, row[None, :], A)
+    at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
+    tl.store(a + at_a, A, mask=mask_a)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    tl.store(w + at_k, _mm(A, K * (b * tl.exp(d))[:, None], None, PRECISION), mask=mask_k)
+    at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
+    V = tl.load(v + at_v, mask=mask_v, other=0.0)
+    tl.store(u + at_v, _mm(A, V * b[:, None], None, PRECISION), mask=mask_v)
+
+
+@triton.jit
+def _ut_backward_kernel(
+    k, v, beta, log_decay, a, dw, du, dk, dv, dbeta, dlog,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The UT transform's gradient per (chunk, head), with X = β e^D K, Y = β V (W = A X, U = A Y):
+    dX = Aᵀ dW, dY = Aᵀ dU, dA = dW Xᵀ + dU Yᵀ, and through the inverse dM = −Aᵀ dA Aᵀ on the strictly lower
+    triangle, M = β Γ ⊙ K Kᵀ."""
+    tile = tl.program_id(0).to(tl.int64)
+    K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
+    rows = tl.arange(0, BC)
+    at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
+    A = tl.load(a + at_a, mask=mask_a, other=0.0)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
+    dW = tl.load(dw + at_k, mask=mask_k, other=0.0)
+    dU = tl.load(du + at_v, mask=mask_v, other=0.0)
+    V = tl.load(v + at_v, mask=mask_v, other=0.0)
+    scale = b * tl.exp(d)
+    dX = _mm(tl.trans(A), dW, None, PRECISION)
+    dY = _mm(tl.trans(A), dU, None, PRECISION)
+    dA = _mm(dU, tl.trans(V * b[:, None]), _mm(dW, tl.trans(K * scale[:, None]), None, PRECISION), PRECISION)
+    dM = -_mm(tl.trans(A), _mm(dA, tl.trans(A), None, PRECISION), None, PRECISION)
+    dM = tl.where(strict, dM, 0.0)
+    dKK = dM * b[:, None] * decay
+    dK = _mm(dKK, K, _mm(tl.trans(dKK), K, dX * scale[:, None], PRECISION), PRECISION)
+    tl.store(dk + at_k, dK, mask=mask_k)
+    tl.store(dv + at_v, dY * b[:, None], mask=mask_v)
+    through_x = tl.sum(dX * K, 1)  # ∂/∂scale of the row
+    weighted = dKK * KK  # dΓ ⊙ Γ: the log-gate's share of M
+    db = tl.sum(dM * decay * KK, 1) + tl.exp(d) * through_x + tl.sum(dY * V, 1)
+    dd = tl.sum(weighted, 1) - tl.sum(weighted, 0) + scale * through_x
+    tl.store(dbeta + tile * C + rows, db, mask=rows < C)
+    tl.store(dlog + tile * C + rows, dd, mask=rows < C)
+
+
+class _UT(torch.autograd.Function):
+    """The per-chunk UT transform ``(K, V, β, D)`` → ``(W, U)``, chunk tensors ``[n, H, C, *]`` (fp32,
+    contiguous), every (chunk, head) a program; A is kept for backward (``C`` numbers per token and head)."""
+
+    @staticmethod
+    def forward(ctx, k, v, beta, log_decay, precision):
+        n, heads, size, dk = k.shape
+        dv = v.shape[-1]
+        a = k.new_empty(n, heads, size, size)
+        w, u = torch.empty_like(k), torch.empty_like(v)
+        geometry = _ut_geometry(size, dk, dv, precision)
+        _ut_forward_kernel[(n * heads,)](k, v, beta, log_decay, a, w, u, **geometry)
+        ctx.save_for_backward(k, v, beta, log_decay, a)
+        ctx.geometry = geometry
+        return w, u
+
+    @staticmethod
+    def backward(ctx, dw, du):
+        k, v, beta, log_decay, a = ctx.saved_tensors
+        dw = torch.zeros_like(k) if dw is None else dw.contiguous()
+        du = torch.zeros_like(v) if du is None else du.contiguous()
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dbeta, dlog = torch.empty_like(beta), torch.empty_like(log_decay)
+        _ut_backward_kernel[(k.shape[0] * k.shape[1],)](k, v, beta, log_decay, a, dw, du, dk, dv, dbeta, dlog,
+                                                        **ctx.geometry)
+        return dk, dv, dbeta, dlog, None
+
+
+def _ut_geometry(size, dk, dv, precision) -> dict:
+    """The UT kernels' shapes (every channel in one program) and launch settings (``UT_CONFIG``)."""
+    return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
+                BK=max(16, triton.next_power_of_2(dk)), BVF=max(16, triton.next_power_of_2(dv)),
+                PRECISION=precision, **UT_CONFIG)
+
+
+class _Scan(torch.autograd.Function):
+    """``(W, U, K ⊙ e^{D_C − D}, e^{D_C}, initial)`` → (the state entering each chunk, Δ, the state after each
+    document's chunks). Chunk tensors ``[n, H, C, *]`` (fp32, contiguous), ``decay [n, H]``, states
+    ``[*, H, Dk, Dv]``; ``first_chunk``: each document's first chunk, and n last."""
+
+    @staticmethod
+    def forward(ctx, w, u, handing, decay, initial, first_chunk, precision):
+        n, heads, size, dk = w.shape
+        dv, docs = u.shape[-1], first_chunk.numel() - 1
+        states = w.new_empty(n, heads, dk, dv)
+        delta = torch.empty_like(u)
+        final = w.new_empty(docs, heads, dk, dv)
+        geometry = _geometry(heads, size, dk, dv, precision)
+        _scan_forward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
+            w, u, handing, decay, initial, states, delta, final, first_chunk, **geometry)
+        ctx.save_for_backward(w, handing, decay, states, delta, first_chunk)
+        ctx.geometry = geometry
+        return states, delta, final
+
+    @staticmethod
+    def backward(ctx, d_states, d_delta, d_final):
+        w, handing, decay, states, delta, first_chunk = ctx.saved_tensors
+        heads, dv, docs = w.shape[1], delta.shape[-1], first_chunk.numel() - 1
+        d_states = torch.zeros_like(states) if d_states is None else d_states.contiguous()
+        d_delta = torch.zeros_like(delta) if d_delta is None else d_delta.contiguous()
+        grad_after, delta_grad = torch.empty_like(states), torch.empty_like(delta)
+        d_initial = states.new_empty(docs, *states.shape[1:])
+        _scan_backward_kernel[(docs * heads, triton.cdiv(dv, ctx.geometry["BV"]))](
+            w, handing, decay, d_states, d_delta, d_initial if d_final is None else d_final.contiguous(),
+            grad_after, delta_grad, d_initial, first_chunk, HAS_FINAL_GRAD=d_final is not None, **ctx.geometry)
+        d_w = -(delta_grad @ states.mT)
+        d_handing = delta @ grad_after.mT
+        d_decay = (states * grad_after).sum((-2, -1))
+        return d_w, delta_grad, d_handing, d_decay, d_initial, None, None
+
+
+def _geometry(heads, size, dk, dv, precision) -> dict:
+    """The kernels' shapes and launch settings: blocks of at least 16 (``tl.dot``), powers of two, masked to the real
+    widths."""
+    return dict(H=heads, C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
+                BK=max(16, triton.next_power_of_2(dk)),
+                BV=min(CONFIG["value_block"], max(16, triton.next_power_of_2(dv))), PRECISION=precision,
+                num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+
+
+class _DocumentChunks:
+    """Chunks of ``size`` tokens from each document's first token: the padded token rows the blocks walk, the
+    documents each block of chunks holds, and the way back to token rows. Without padding (every document a whole
+    number of chunks) the padded rows are the token rows. Built from the offsets on the host, and reused while they
+    stay the same (``_layout``): each read of them on the host waits for the GPU."""
+
+    def __init__(self, offsets: list[int], size: int, device):
+        self.size, self.total, self.device = size, offsets[-1], device
+        first = [0]
+        for start, end in zip(offsets, offsets[1:]):
+            first.append(first[-1] + -(-(end - start) // size))
+        self.first, self.count = first, first[-1]  # each document's first chunk, and the number of chunks last
+        self.padded = self.count * size != self.total
+        self.plans: dict[tuple, list] = {}
+        if self.padded:
+            cu, first = _on_device([offsets, first], device)
+            docs = torch.arange(len(offsets) - 1, device=device)
+            slot = torch.arange(self.count * size, device=device)
+            doc = docs.repeat_interleave(first.diff(), output_size=self.count)[slot // size]
+            token = cu[doc] + slot - first[doc] * size
+            self.source = torch.where(token < cu[doc + 1], token, self.total)  # total: a zero row, the padding
+            doc = docs.repeat_interleave(cu.diff(), output_size=self.total)
+            self.place = first[doc] * size + torch.arange(self.total, device=device) - cu[doc]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Token rows ``[total, H, *]`` → padded rows ``[n·C, H, *]``."""
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.source] if self.padded else x
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded rows ``[n·C, H, *]`` → token rows ``[total, H, *]``."""
+        return x[self.place] if self.padded else x
+
+    def plan(self, blocks: list[tuple[int, int]]) -> list[tuple[int, int, torch.Tensor, bool, bool]]:
+        """Per block ``lo … hi-1``: its documents (the first, one past the last), their first chunks counted from lo
+        (cut to the block; ``hi − lo`` last) on the device, whether the first began before lo, whether the last runs
+        past hi. All blocks' chunk tables go to the device in one copy."""
+        key = tuple(blocks)
+        if key not in self.plans:
+            spans, tables = [], []
+            for lo, hi in blocks:
+                d_lo = bisect.bisect_right(self.first, lo) - 1
+                d_hi = bisect.bisect_left(self.first, hi)
+                spans.append((d_lo, d_hi, self.first[d_lo] < lo, self.first[d_hi] > hi))
+                tables.append([max(f, lo) - lo for f in self.first[d_lo:d_hi]] + [hi - lo])
+            flat = _on_device([list(chain(*tables))], self.device)[0].split([len(t) for t in tables])
+            self.plans[key] = [(d_lo, d_hi, table, runs_in, runs_on)
+                               for (d_lo, d_hi, runs_in, runs_on), table in zip(spans, flat)]
+        return self.plans[key]
+
+
+def _on_device(rows: list[list[int]], device) -> torch.Tensor:
+    """Host integers ``[len(rows), n]`` on ``device`` without waiting for it (a pinned, non-blocking copy)."""
+    host = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+_last_layout = None  # (what it was built for, a weak reference to the offsets, the layout): every layer shares one
+
+
+def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int, device) -> _DocumentChunks:
+    """The chunk layout of the request, the last one again when the offsets are the same tensor, unchanged."""
+    global _last_layout
+    key = (batch, length, size, str(device), None if cu_seqlens is None else cu_seqlens._version)
+    if _last_layout is not None and _last_layout[0] == key and (
+            cu_seqlens is None if _last_layout[1] is None else _last_layout[1]() is cu_seqlens):
+        return _last_layout[2]
+    offsets = list(range(0, batch * length + 1, length)) if cu_seqlens is None else cu_seqlens.tolist()
+    layout = _DocumentChunks(offsets, size, device)
+    _last_layout = (key, None if cu_seqlens is None else weakref.ref(cu_seqlens), layout)
+    return layout
+
+
+def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str):
+    """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta, g [·, H]``) from ``entering`` (the
+    state of the document running into chunk lo, if one does) → their ``o`` rows (input dtype), the state of the
+    document running past chunk hi-1 (if one does) and the final states of the documents ending in them."""
+    dtype, size = q.dtype, q.shape[0] // (hi - lo)
+    Q, K, V, B, G = (x.view(hi - lo, size, *x.shape[1:]).transpose(1, 2) for x in upcast(q, k, v, beta, g))
+    below = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)
+    D = G.cumsum(-1)  # [n, H, C]
+    # Γ, its diagonal (e^0) and the last token's e^{D_C − D} a constant 1: as D_i − D_i, their gradients would be
+    # ±terms of size 1 that cancel in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
+    decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(size).diag()
+    after = torch.cat([G.flip(-1).cumsum(-1).flip(-1)[..., 1:], G.new_zeros(*G.shape[:-1], 1)], -1)  # D_C − D
+    W, U = _UT.apply(K.contiguous(), V.contiguous(), B.contiguous(), D.contiguous(), precision)
+    handing = K * after.exp()[..., None]
+
+    d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
+    given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
+    starting = torch.cat([entering[None], given[1:]]) if runs_in else given
+    states, delta, leaving = _Scan.apply(W, U, handing.contiguous(),
+                                         D[..., -1].exp().contiguous(), starting.contiguous(), first_chunk, precision)
+    out = (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta
+    rows = out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]).to(dtype)
+    return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
+
+
+def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
+    """``delta_rule(..., impl="triton")``: same arguments (checked there, ``g`` filled in) and results."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {q.device}")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"impl='triton' takes fp32, bf16 or fp16; got {q.dtype} (use impl='chunk')")
+    batch, length, heads, dk = q.shape
+    dv = v.shape[-1]
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"delta_rule(impl='triton') supports head dims up to {MAX_HEAD_DIM}; got k {dk}, v {dv}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        precision = "interpret"
+    else:
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    layout = _layout(batch, length, cu_seqlens, chunk_size, q.device)  # rows of a batch: documents of one stream
+    tokens = [layout.pad(x.reshape(batch * length, *x.shape[2:])) for x in (q, k, v, beta, g)]
+    blocks = bounded_blocks(layout.count, heads, chunk_size, max(dk, dv), BLOCK_ELEMENTS)
+    plan = dict(zip(blocks, layout.plan(blocks)))
+    entering = q.new_zeros(heads, dk, dv, dtype=torch.float32)  # no document runs into the first chunk
+    block = partial(_block, plan=plan, precision=precision)
+    rows, _, finals = in_blocks(block, blocks, chunk_size, tokens, entering, initial_state)
+    o = layout.unpad(rows).view(batch, length, heads, dv)
+    return (o, torch.cat(finals)) if output_final_state else o
