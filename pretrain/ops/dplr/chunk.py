@@ -13,15 +13,17 @@ each token's read ``u_t = S_{t−1}ᵀ b_t`` is a lower-triangular system in the
     S ← e^{D_C} ⊙ S + (A ⊙ e^{D_C − D})ᵀ U + (K ⊙ e^{D_C − D})ᵀ V     the one sequential step, chunk after chunk
 
 The gated delta rule's chunked form (``delta_rule/chunk.py``) with one more term, and per-channel decay in the
-products: ``P`` is no longer a masked matrix product times a C×C decay. Each ``t`` (b's rows shifted up by one,
-``P^{b·}`` shifted back down) is computed in sub-chunks of at most 16 tokens, all as matrix products:
+products: ``P`` is no longer a masked matrix product times a C×C decay. Each ``P`` (b's with b's rows shifted up by
+one, then the result shifted back down) is built block by block of sub-chunks, every block a matrix product:
 
-* between sub-chunks, through the decay at the earlier sub-chunk's last token r,
-  ``e^{D_i − D_j} = e^{D_i − D_r} · e^{D_r − D_j}``: both factors ≤ 1 when the gates are ≤ 0, exact at any gate;
-* inside a sub-chunk, through its first token f, ``e^{D_i − D_f} · e^{D_f − D_j}``, when the log-decay falls by
-  at most ``FACTORED_SPREAD`` (40 in fp32) across every sub-chunk of the block, so no factor overflows (the
-  sub-chunks are then as long as that allows: the whole chunk, half of it, …, 16 tokens); otherwise (gates near
-  −20 per channel) each pair's exponent on its own in sub-chunks of 16, ``C·16·Dk`` exponentials per chunk.
+* a sub-chunk with itself, through its first token f, ``e^{D_i − D_f} · e^{D_f − D_j}``, when the log-decay moves
+  by at most ``FACTORED_SPREAD`` (40 in fp32) across every sub-chunk of the block, so no factor overflows; the
+  sub-chunks are then as long as that allows (the whole chunk, half of it, …, 16 tokens). Otherwise (gates near
+  −20 per channel) sub-chunks of 16 whose pairs each get their own exponent, ``C·16·Dk`` exponentials a chunk;
+* a sub-chunk with an earlier one, through the decay at the earlier one's last token r,
+  ``e^{D_i − D_j} = e^{D_i − D_r} · e^{D_r − D_j}``: both factors ≤ 1 when the gates are ≤ 0, exact at any gate.
+
+KDA's case (``kda_chunk``: ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k``) needs only ``P^{q·k}`` and ``P^{k·k}``.
 
 Exponents that may be large are clamped to ≤ 0 before ``exp`` and their pairs masked off after, so gates near −20
 neither overflow nor turn into NaN; a pair whose decay underflows contributes its true, negligible value.
