@@ -207,6 +207,11 @@ class TokenLoader(StreamLoader):
     def lanes(self) -> int:
         return self._stream.order.lanes
 
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows of an epoch of the (first) source."""
+        return self._stream.order.sources[0].epoch_rows
+
     def place_of_row(self, row: int) -> tuple[str, int]:
         """(the shard, the row of it) that the stream's row ``row`` is."""
         place = self._stream.order.place(row)

@@ -24,7 +24,7 @@ def rows_of(batches, key="input_ids") -> list[np.ndarray]:
 
 def full_rows(batches) -> list[np.ndarray]:
     """Each row's seq_len + 1 tokens: its inputs and its last label."""
-    return [np.append(i, l[-1]) for i, l in zip(rows_of(batches), rows_of(batches, "labels"))]
+    return [np.append(inputs, labels[-1]) for inputs, labels in zip(rows_of(batches), rows_of(batches, "labels"))]
 
 
 def shard_streams(loader, rows) -> dict[str, np.ndarray]:

@@ -175,13 +175,16 @@ def test_a_full_disk_for_the_metrics_ends_the_run_naming_the_run_directory(lm_da
 
 
 def test_a_corrupt_shard_met_mid_run_by_a_worker_ends_the_run_naming_it(lm_data, tmp_path):
-    """The third shard this rank reads is truncated: the worker meets it after the first steps and checkpoints; the
-    run must end at once, non-zero, with one line naming the shard, and keep its checkpoints."""
+    """A shard this rank first reads at step 7 is truncated: the worker meets it after the first steps and
+    checkpoints; the run must end at once, non-zero, with one line naming the shard, and keep its checkpoints."""
     data = tmp_path / "shards"
     shutil.copytree(Path(lm_data["train_shards"]).parent, data)
     pattern = str(data / "shard-{000000..000099}.tar")
-    order = TokenLoader(pattern, seq_len=64, batch_size=4, seed=0, shuffle_buffer=64).epoch_shards(0)
-    corrupt = Path(order[2])
+    loader = TokenLoader(pattern, seq_len=64, batch_size=4, seed=0)  # the run's rows
+    first_read: dict[str, int] = {}
+    for row in range(loader.lanes * 4):
+        first_read.setdefault(loader.place_of_row(row)[0], row)
+    corrupt = Path(min((row, url) for url, row in first_read.items() if row >= 6 * 4)[1])  # first met at step 7
     corrupt.write_bytes(corrupt.read_bytes()[:5000])
     run = tmp_path / "run"
     process = start(tiny_overrides(lm_data, run, data__train_shards=pattern, data__num_workers=1,
