@@ -8,9 +8,10 @@ shard's tokens ``[i*L, i*L + L]``. A shard of T tokens gives ``(T - 1) // L`` ro
 
 One source's rows (``SourceRows``). Epoch e takes the shards in the order rng(seed, e) permutes them (pattern order
 without ``shuffle``), each shard's rows in order: E rows an epoch. They are cut into K lanes (K = min(lanes, E)) of
-m = E // K consecutive rows (the last E mod K rows of the epoch are left out), and the lanes are interleaved: row q
-of the epoch is row q // K of lane q mod K, and row n of the source is row n mod Km of epoch n // Km. Consecutive
-rows come from K places of the epoch, while one lane walks only ~1/K of its shards.
+consecutive rows, m = E // K each and one more for the first E mod K, and the lanes are interleaved: row q < Km of
+the epoch is row q // K of lane q mod K, and the rows after are the last rows of lanes 0, 1, ...; row n of the
+source is row n mod E of epoch n // E. Consecutive rows come from K places of the epoch, while one lane walks only
+~1/K of its shards; no row is left out.
 
 A mixture (``MixedRows``) gives each source some of the K lanes (``lane_sources``): row g is the source of lane
 g mod K, and that source's row ``(g // K) * K_i + j`` (lane g mod K is its j-th of K_i). A single source is the
@@ -50,7 +51,7 @@ class SourceRows:
     shuffle: bool
     shard_rows: np.ndarray = field(init=False, compare=False, repr=False)
     width: int = field(init=False, compare=False)       # K, the lanes the epoch is cut into
-    epoch_rows: int = field(init=False, compare=False)  # every shard's rows but the E mod K the lanes leave out
+    epoch_rows: int = field(init=False, compare=False)  # E, every shard's rows
     _orders: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self):
@@ -59,8 +60,7 @@ class SourceRows:
         if total == 0:
             raise ValueError(f"no shard holds seq_len + 1 = {self.seq_len + 1} tokens (the largest holds "
                              f"{max(self.tokens)}): nothing to pack into rows")
-        width = min(self.lanes, total)
-        for name, value in (("shard_rows", rows), ("width", width), ("epoch_rows", total - total % width)):
+        for name, value in (("shard_rows", rows), ("width", min(self.lanes, total)), ("epoch_rows", total)):
             object.__setattr__(self, name, value)
 
     def shard_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,10 +76,10 @@ class SourceRows:
 
     def place(self, n: int) -> tuple[int, int, int, int]:
         """(epoch, shard, row in shard, lane) of the source's row n."""
-        width, per_epoch = self.width, self.epoch_rows
-        epoch, q = divmod(n, per_epoch)
-        lane, step = q % width, q // width
-        epoch_row = lane * (per_epoch // width) + step
+        epoch, q = divmod(n, self.epoch_rows)
+        m, extra = divmod(self.epoch_rows, self.width)
+        lane, step = (q % self.width, q // self.width) if q < self.width * m else (q - self.width * m, m)
+        epoch_row = lane * m + min(lane, extra) + step
         order, starts = self.shard_order(epoch)
         at = int(np.searchsorted(starts, epoch_row, side="right")) - 1  # past shards of no rows (same start)
         return epoch, int(order[at]), int(epoch_row - starts[at]), lane
