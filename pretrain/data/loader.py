@@ -7,8 +7,9 @@ counts, seq_len, lanes) and, in a mixture, the weights; never of the number of r
 Rows and batches. A row holds ``seq_len + 1`` tokens of one shard: its first L are ``input_ids``, its last L
 ``labels``; ``position_ids`` count from 0 at every document start and at every row start. Replica r of R builds, from
 where the iteration started, batch k of the rows ``share`` gives it (round k's rows ≡ r mod R), so R replicas × A
-micro-batches read the same rows as 1 replica × R·A (the elastic resume of docs/CONTRACTS.md); DataLoader worker w
-of W builds the batches k ≡ w (mod W). A worker keeps one packed shard per lane it meets in memory.
+micro-batches read the same rows as 1 replica × R·A (the elastic resume of docs/CONTRACTS.md). DataLoader worker w
+of W builds, of every batch, the rows of its own lanes (``_Rows.part``), and the trainer's process puts each
+batch's W parts together: a worker reads only its lanes' shards, and keeps one packed shard per lane in memory.
 
 The cursor is ``row``, the rows of the stream all replicas have consumed (with ``epoch``, the finished epochs there):
 the same on every replica at a step's end, so a state resumes on any number of replicas and any ``batch_size``, and
@@ -94,8 +95,14 @@ class _Rows:
     def url(self, place: RowPlace) -> str:
         return self.sources[place.source].urls[place.shard]
 
-    def rows_of_batch(self, start: int, batch: int) -> list[int]:
-        return share(start, self.batch_size, self.replica, self.replicas, batch)
+    def part(self, start: int, batch: int, worker: int, num_workers: int) -> list[tuple[int, int]]:
+        """(index in the batch, stream row) of the rows of this replica's batch ``batch`` from ``start`` that worker
+        ``worker`` of ``num_workers`` builds: those of its lanes. The replica meets the lanes ≡ c (mod G), G =
+        gcd(replicas, lanes); lane c + G·i is worker i mod num_workers's."""
+        lanes = self.order.lanes
+        spacing = math.gcd(self.replicas, lanes)
+        rows = share(start, self.batch_size, self.replica, self.replicas, batch)
+        return [(j, g) for j, g in enumerate(rows) if g % lanes // spacing % num_workers == worker]
 
     def batch_count(self, start: int) -> int | None:
         """Batches a replica builds from row ``start`` (None: forever)."""
@@ -104,14 +111,16 @@ class _Rows:
         return max(0, (self.order.sources[0].epoch_rows * self.epochs - start) // (self.batch_size * self.replicas))
 
     def batches(self, start: tuple, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
-        """(batch, cursor after its round, shards skipped so far) of the batches k ≡ worker (mod num_workers)."""
-        skips, lanes, corrupt = Skips(log=worker == 0), {}, set()
-        count, k, row = self.batch_count(start[1]), worker, start[1]
+        """Per batch of the replica: (the part of it worker ``worker`` builds, cursor after its round, shards skipped
+        so far); a part is (indices in the batch, tokens ``[n, L + 1]``, position ids ``[n, L]``)."""
+        skips, lanes, corrupt = Skips(log=True), {}, set()  # each worker meets its own shards
+        count, k, row = self.batch_count(start[1]), 0, start[1]
         while count is None or k < count:
-            rows = [self._row(self.order.place(g), lanes, corrupt, skips) for g in self.rows_of_batch(row, k)]
+            mine = self.part(row, k, worker, num_workers)
+            rows = [self._row(self.order.place(g), lanes, corrupt, skips) for _, g in mine]
             after = row + (k + 1) * self.batch_size * self.replicas
-            yield _assemble(rows, self.seq_len), (self.order.epoch(after), after), skips.count
-            k += num_workers
+            yield ([j for j, _ in mine], *_assemble(rows, self.seq_len)), (self.order.epoch(after), after), skips.count
+            k += 1
 
     def _row(self, place: RowPlace, lanes: dict, corrupt: set, skips: Skips) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, document starts) of one row; ``lanes`` holds the shard each lane read last."""
@@ -169,6 +178,8 @@ def _log_read(url: str) -> None:
 def _assemble(rows: list[tuple[np.ndarray, np.ndarray]], length: int) -> tuple[np.ndarray, np.ndarray]:
     """The batch's ``[B, L + 1]`` tokens and ``[B, L]`` position ids, as numpy arrays: they pass between processes
     several times faster than torch tensors."""
+    if not rows:
+        return np.zeros((0, length + 1), np.int64), np.zeros((0, length), np.int64)
     tokens = np.stack([t for t, _ in rows]).astype(np.int64)
     is_start = np.stack([s for _, s in rows])
     is_start[:, 0] = True
@@ -197,6 +208,18 @@ class TokenLoader(StreamLoader):
                              seed, shuffle, epochs, skip_corrupt, tokenizer_sha256)
         self._cursor = _Cursor(0, 0)
 
+    def _parts_per_batch(self) -> int:
+        """Each worker builds the rows of its own lanes of every batch."""
+        return max(1, self.num_workers)
+
+    def _merge(self, parts: tuple) -> tuple[tuple[np.ndarray, np.ndarray], tuple, int]:
+        s = self._stream
+        tokens = np.empty((s.batch_size, s.seq_len + 1), np.int64)
+        positions = np.empty((s.batch_size, s.seq_len), np.int64)
+        for (where, part_tokens, part_positions), _, _ in parts:
+            tokens[where], positions[where] = part_tokens, part_positions
+        return (tokens, positions), parts[0][1], sum(skipped for *_, skipped in parts)
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for tokens, positions in self._produce():
             yield {"input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
@@ -223,9 +246,8 @@ class TokenLoader(StreamLoader):
         tests to hold the reads to."""
         stream, start = self._stream, self._cursor.row
         count = stream.batch_count(start)
-        return {stream.url(stream.order.place(g)) for k in range(worker, batches if count is None else
-                                                                 min(batches, count), num_workers)
-                for g in stream.rows_of_batch(start, k)}
+        return {stream.url(stream.order.place(g)) for k in range(batches if count is None else min(batches, count))
+                for _, g in stream.part(start, k, worker, num_workers)}
 
     def _stream_identity(self) -> dict:
         """Without rank and world size: the rows do not depend on them, so a state resumes on any number; with the

@@ -173,9 +173,18 @@ def test_replicas_take_their_rows_of_each_round(numbered_shards):
                 assert np.array_equal(row, alone[k // 2 * 2 * replicas + rank + k % 2 * replicas]), (rank, k)
 
 
+def test_workers_build_their_lanes_rows_of_every_batch_even_with_fewer_rows_than_workers(numbered_shards):
+    directory, _ = numbered_shards
+    for batch_size in (1, 5):
+        settings = dict(seq_len=8, batch_size=batch_size, seed=5, lanes=6, rank=1, world_size=2)
+        alone = take(TokenLoader(directory, **settings), 7)
+        for got, want in zip(take(TokenLoader(directory, num_workers=2, **settings), 7), alone, strict=True):
+            assert all(torch.equal(got[key], want[key]) for key in want)
+
+
 def test_a_replica_reads_only_the_shards_of_its_lanes(numbered_shards, tmp_path, monkeypatch):
     """4 replicas and 16 lanes: each replica reads the shards of 4 lanes, which its planned_shards names before any
-    read; with 2 workers and 2 rows a batch (4 × 2 × 2 = 16 lanes), each worker those of 2."""
+    read; with 2 workers, each worker those of 2."""
     directory, _ = numbered_shards
     monkeypatch.setenv("PRETRAIN_SHARD_READ_LOG", str(tmp_path))
     settings = dict(seq_len=8, batch_size=2, seed=4, lanes=16, world_size=4, epochs=1)
