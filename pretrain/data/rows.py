@@ -7,11 +7,11 @@ shard's tokens ``[i*L, i*L + L]``. A shard of T tokens gives ``(T - 1) // L`` ro
 (``tokens``), and leaves its last ``< L`` tokens unread.
 
 One source's rows (``SourceRows``). Epoch e takes the shards in the order rng(seed, e) permutes them (pattern order
-without ``shuffle``), each shard's rows in order: E rows an epoch. They are cut into K lanes (K = min(lanes, E)) of
-consecutive rows, m = E // K each and one more for the first E mod K, and the lanes are interleaved: row q < Km of
-the epoch is row q // K of lane q mod K, and the rows after are the last rows of lanes 0, 1, ...; row n of the
-source is row n mod E of epoch n // E. Consecutive rows come from K places of the epoch, while one lane walks only
-~1/K of its shards; no row is left out.
+without ``shuffle``), each shard's rows in order: E rows an epoch. They are cut into K parts (K = min(lanes, E)) of
+consecutive rows, m = E // K each and one more for the first E mod K, and interleaved: row q < Km of the epoch is
+row q // K of part q mod K, and the rows after are the last rows of parts 0, 1, .... Row n of the source is row
+n mod E of epoch n // E, in lane n mod K: a lane walks one part of each epoch, ~1/K of the shards, while
+consecutive rows come from K places of the epoch. No row is left out.
 
 A mixture (``MixedRows``) gives each source some of the K lanes (``lane_sources``): row g is the source of lane
 g mod K, and that source's row ``(g // K) * K_i + j`` (lane g mod K is its j-th of K_i). A single source is the
@@ -75,14 +75,16 @@ class SourceRows:
         return self._orders[epoch]
 
     def place(self, n: int) -> tuple[int, int, int, int]:
-        """(epoch, shard, row in shard, lane) of the source's row n."""
+        """(epoch, shard, row in shard, lane) of the source's row n. Lane n mod K walks part (n − epoch·E) mod K of
+        each epoch (the parts rotate from epoch to epoch when K does not divide E), so a reader of rows ≡ c
+        (mod K) meets one lane, whatever the epoch."""
         epoch, q = divmod(n, self.epoch_rows)
         m, extra = divmod(self.epoch_rows, self.width)
-        lane, step = (q % self.width, q // self.width) if q < self.width * m else (q - self.width * m, m)
-        epoch_row = lane * m + min(lane, extra) + step
+        part, step = (q % self.width, q // self.width) if q < self.width * m else (q - self.width * m, m)
+        epoch_row = part * m + min(part, extra) + step
         order, starts = self.shard_order(epoch)
         at = int(np.searchsorted(starts, epoch_row, side="right")) - 1  # past shards of no rows (same start)
-        return epoch, int(order[at]), int(epoch_row - starts[at]), lane
+        return epoch, int(order[at]), int(epoch_row - starts[at]), n % self.width
 
     def next_shard(self, epoch: int, shard: int) -> int:
         """The shard after ``shard`` in epoch order, wrapping (a corrupt shard's rows come from it)."""
