@@ -253,8 +253,8 @@ class TokenLoader(StreamLoader):
         """Without rank and world size: the rows do not depend on them, so a state resumes on any number; with the
         digest of the shards' sha256 from their manifests, so shards moved elsewhere resume, and others do not
         (None where a shard has none on record: streamed shards)."""
-        s = self._stream
-        checksums = [s.checksums.get(url) for url in s.urls]
+        s, recorded = self._stream, self._stream.checksums
+        checksums = [recorded.get(url) for url in s.urls]
         digest = None if None in checksums else hashlib.sha256("\n".join(checksums).encode()).hexdigest()
         names = "\n".join(os.path.basename(u) for u in s.urls).encode()
         return {"data_order": DATA_ORDER, "seed": s.seed, "shuffle": s.shuffle, "seq_len": s.seq_len,

@@ -211,8 +211,8 @@ class StreamLoader:
         else:
             produced = DataLoader(_WorkerShare(stream, start), batch_size=None, num_workers=self.num_workers,
                                   collate_fn=_as_is, worker_init_fn=_leave_stop_signals_to_the_trainer)
-        items = iter(produced)
-        for parts in zip(*[items] * self._parts_per_batch()):
+        # the iterator lives only in the loop (no local): an error raised here frees it, and its workers, at once
+        for parts in zip(*[iter(produced)] * self._parts_per_batch()):
             for item in parts:
                 if isinstance(item, _WorkerFailure):
                     raise item.error
