@@ -11,8 +11,8 @@ builds every N-th batch). The target for pre-tokenized shards is >= 1M packed to
 With --replicas R1 R2 ... it reports instead what each replica's share costs (no ranks needed: it walks each
 replica's share of the rows with TokenLoader.planned_shards, the loader's own walk): for one epoch's rows, the shards
 opened and bytes read per replica and per worker (the most of any), as fractions of what one replica reads for the
-same rows; and, reading for real, the time to replica 0's first batch from the start and from a resume deep in the
-stream (a resume seeks; it does not replay the stream).
+same rows; and, reading for real, the time to replica 0's first batch from the start and from resumes at
+--resume-epochs (a resume seeks; it does not replay the stream).
 
 Example:
   python tools/bench_data.py --mean-doc-tokens 300 --tokens 20000000
@@ -71,8 +71,8 @@ def main() -> int:
                         "(with --replicas: the workers per replica the shares are split for)")
     parser.add_argument("--replicas", type=int, nargs="+", default=None, metavar="R",
                         help="report each replica's share of the reads for these numbers of replicas")
-    parser.add_argument("--resume-epochs", type=float, default=3.5,
-                        help="with --replicas: how far in (epochs) the deep resume starts")
+    parser.add_argument("--resume-epochs", type=float, nargs="+", default=[0.5, 3.5], metavar="E",
+                        help="with --replicas: how far in (epochs) the resumes start")
     parser.add_argument("--json", default=None, metavar="PATH", help="with --replicas: also write the report here")
     args = parser.parse_args()
 
@@ -122,8 +122,9 @@ def report_shares(pattern: str, args, TokenLoader) -> int:
     print(f"{len(sizes)} shards, {sum(sizes.values()) / 1e6:.1f} MB; seq_len={args.seq_len} "
           f"batch_size={args.batch_size} lanes={whole.lanes} workers={workers}; one epoch = {whole.rows_per_epoch} "
           f"rows; one replica alone opens {len(alone)} shards, {alone_bytes / 1e6:.1f} MB")
+    resumed_at = "".join(f" {f'@{epochs:g} ep s':>10}" for epochs in args.resume_epochs)
     print(f"{'R':>5} {'shards/replica':>15} {'MB/replica':>11} {'of alone':>9} {'1/R':>7} {'shards/worker':>14} "
-          f"{'of alone':>9} {'first batch s':>14} {'resumed s':>10}")
+          f"{'of alone':>9} {'first batch s':>14}{resumed_at}")
     records = []
     for replicas in args.replicas:
         batches = epoch_batches // replicas
@@ -134,18 +135,20 @@ def report_shares(pattern: str, args, TokenLoader) -> int:
             worker_shards += [loader.planned_shards(batches, worker=w, num_workers=workers) for w in range(workers)]
         most = max(shards, key=lambda share: sum(sizes[url] for url in share))
         most_bytes = sum(sizes[url] for url in most)
-        first, resumed = first_batch_seconds(pattern, replicas, settings, TokenLoader, args.resume_epochs)
+        first = first_batch_seconds(pattern, replicas, settings, TokenLoader, None)
+        resumed = [first_batch_seconds(pattern, replicas, settings, TokenLoader, e) for e in args.resume_epochs]
         record = {"replicas": replicas, "batches_per_replica": batches,
                   "shards_per_replica_max": max(map(len, shards)), "bytes_per_replica_max": most_bytes,
                   "bytes_fraction_of_alone": most_bytes / alone_bytes,
                   "shards_per_worker_max": max(map(len, worker_shards)),
                   "shards_per_worker_fraction_of_alone": max(map(len, worker_shards)) / len(alone),
-                  "first_batch_s": first, "first_batch_after_resume_s": resumed,
-                  "resume_row": round(args.resume_epochs * whole.rows_per_epoch), "load_1min": os.getloadavg()[0]}
+                  "first_batch_s": first, "resumed_first_batch_s": dict(zip(args.resume_epochs, resumed)),
+                  "load_1min": os.getloadavg()[0]}
         records.append(record)
         print(f"{replicas:>5} {record['shards_per_replica_max']:>15} {most_bytes / 1e6:>11.2f} "
               f"{record['bytes_fraction_of_alone']:>9.4f} {1 / replicas:>7.4f} {record['shards_per_worker_max']:>14} "
-              f"{record['shards_per_worker_fraction_of_alone']:>9.4f} {first:>14.3f} {resumed:>10.3f}")
+              f"{record['shards_per_worker_fraction_of_alone']:>9.4f} {first:>14.3f}"
+              + "".join(f" {seconds:>10.3f}" for seconds in resumed))
     if args.json:
         setup = {"shards": len(sizes), "bytes": sum(sizes.values()), "rows_per_epoch": whole.rows_per_epoch,
                  "seq_len": args.seq_len, "batch_size": args.batch_size, "lanes": whole.lanes, "workers": workers,
@@ -156,20 +159,21 @@ def report_shares(pattern: str, args, TokenLoader) -> int:
     return 0
 
 
-def first_batch_seconds(pattern: str, replicas: int, settings: dict, TokenLoader, resume_epochs: float
-                        ) -> tuple[float, float]:
-    """Seconds from building replica 0's loader to its first batch: from the start, and resumed from a state
-    ``resume_epochs`` epochs in (a fresh loader's state with its row moved there: the row is what a resume reads)."""
-    start = time.perf_counter()
-    next(iter(TokenLoader(pattern, rank=0, world_size=replicas, **settings)))
-    from_start = time.perf_counter() - start
-    far = TokenLoader(pattern, **settings)
-    state = {**far.state_dict(), "row": round(resume_epochs * far.rows_per_epoch), "epoch": int(resume_epochs)}
+def first_batch_seconds(pattern: str, replicas: int, settings: dict, TokenLoader, resume_epochs: float | None
+                        ) -> float:
+    """Seconds from building replica 0's loader to its first batch: from the start (``resume_epochs`` None), or
+    resumed from a state that many epochs in (a fresh loader's state with its row moved there: the row is what a
+    resume reads)."""
+    state = None
+    if resume_epochs is not None:
+        far = TokenLoader(pattern, **settings)
+        state = {**far.state_dict(), "row": round(resume_epochs * far.rows_per_epoch), "epoch": int(resume_epochs)}
     start = time.perf_counter()
     loader = TokenLoader(pattern, rank=0, world_size=replicas, **settings)
-    loader.load_state_dict(state)
+    if state is not None:
+        loader.load_state_dict(state)
     next(iter(loader))
-    return from_start, time.perf_counter() - start
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
