@@ -53,8 +53,8 @@ class _Cursor(NamedTuple):
 
 
 class _Packed(NamedTuple):
-    tokens: np.ndarray  # the shard's documents, in their (shuffled) order, concatenated
-    starts: np.ndarray  # bool per token: a document starts there
+    tokens: np.ndarray     # the shard's documents, in their (shuffled) order, concatenated
+    positions: np.ndarray  # per token, its position in its document, at most seq_len (uint16 or uint32)
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class _Rows:
 
     def batches(self, start: tuple, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
         """Per batch of the replica: (the part of it worker ``worker`` builds, cursor after its round, shards skipped
-        so far); a part is (indices in the batch, tokens ``[n, L + 1]``, position ids ``[n, L]``)."""
+        so far); a part is (indices in the batch, and ``_assemble``'s inputs, labels, position ids of its rows)."""
         skips, lanes, corrupt = Skips(log=True), {}, set()  # each worker meets its own shards
         count, k, row = self.batch_count(start[1]), 0, start[1]
         while count is None or k < count:
@@ -123,7 +123,7 @@ class _Rows:
             k += 1
 
     def _row(self, place: RowPlace, lanes: dict, corrupt: set, skips: Skips) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, document starts) of one row; ``lanes`` holds the shard each lane read last."""
+        """(tokens, positions in their documents) of one row; ``lanes`` holds the shard each lane read last."""
         key = place[:3]
         held = lanes.get((place.source, place.lane))
         if held is None or held[0] != key:
@@ -133,7 +133,7 @@ class _Rows:
             lanes[(place.source, place.lane)] = held
         _, packed, rows = held
         at = place.row % rows * self.seq_len
-        return packed.tokens[at:at + self.seq_len + 1], packed.starts[at:at + self.seq_len]
+        return packed.tokens[at:at + self.seq_len + 1], packed.positions[at:at + self.seq_len]
 
     def _readable(self, place: RowPlace, corrupt: set, skips: Skips) -> tuple[_Packed, int]:
         """The packed shard of ``place`` and its rows; with ``skip_corrupt``, a corrupt one's stand-in."""
@@ -161,10 +161,10 @@ class _Rows:
         flat = np.concatenate(documents) if documents else np.zeros(0, np.int64)
         if len(flat) != tokens:
             raise ShardError(f"shard {url} holds {len(flat)} tokens, but its manifest records {tokens}")
-        starts = np.zeros(len(flat), dtype=bool)
-        starts[np.cumsum([len(d) for d in documents[:-1]], dtype=np.int64)] = True
-        starts[:1] = True
-        return _Packed(flat, starts)
+        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
+        positions = np.arange(len(flat), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        np.minimum(positions, self.seq_len, out=positions)
+        return _Packed(flat, positions.astype(np.uint16 if self.seq_len < 1 << 16 else np.uint32))
 
 
 def _log_read(url: str) -> None:
@@ -175,16 +175,16 @@ def _log_read(url: str) -> None:
             f.write(url + "\n")
 
 
-def _assemble(rows: list[tuple[np.ndarray, np.ndarray]], length: int) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's ``[B, L + 1]`` tokens and ``[B, L]`` position ids, as numpy arrays: they pass between processes
-    several times faster than torch tensors."""
-    if not rows:
-        return np.zeros((0, length + 1), np.int64), np.zeros((0, length), np.int64)
-    tokens = np.stack([t for t, _ in rows]).astype(np.int64)
-    is_start = np.stack([s for _, s in rows])
-    is_start[:, 0] = True
-    index = np.broadcast_to(np.arange(length), is_start.shape)
-    return tokens, index - np.maximum.accumulate(np.where(is_start, index, 0), axis=1)
+def _assemble(rows: list[tuple[np.ndarray, np.ndarray]], length: int) -> tuple[np.ndarray, ...]:
+    """The rows' ``[n, L]`` inputs, labels and position ids, as numpy arrays: they pass between processes several
+    times faster than torch tensors. A row's positions are its tokens' in their documents, but at most their offset
+    in the row: a row start starts afresh."""
+    inputs, labels, positions = (np.empty((len(rows), length), np.int64) for _ in range(3))
+    offsets = np.arange(length)
+    for i, (tokens, in_document) in enumerate(rows):
+        inputs[i], labels[i] = tokens[:-1], tokens[1:]
+        np.minimum(in_document, offsets, out=positions[i])
+    return inputs, labels, positions
 
 
 class TokenLoader(StreamLoader):
@@ -212,18 +212,21 @@ class TokenLoader(StreamLoader):
         """Each worker builds the rows of its own lanes of every batch."""
         return max(1, self.num_workers)
 
-    def _merge(self, parts: tuple) -> tuple[tuple[np.ndarray, np.ndarray], tuple, int]:
+    def _merge(self, parts: tuple) -> tuple[tuple[np.ndarray, ...], tuple, int]:
+        """The batch from its workers' parts (in process: the one part, the whole batch)."""
+        skipped = sum(count for *_, count in parts)
+        if len(parts) == 1:
+            return parts[0][0][1:], parts[0][1], skipped
         s = self._stream
-        tokens = np.empty((s.batch_size, s.seq_len + 1), np.int64)
-        positions = np.empty((s.batch_size, s.seq_len), np.int64)
-        for (where, part_tokens, part_positions), _, _ in parts:
-            tokens[where], positions[where] = part_tokens, part_positions
-        return (tokens, positions), parts[0][1], sum(skipped for *_, skipped in parts)
+        batch = tuple(np.empty((s.batch_size, s.seq_len), np.int64) for _ in range(3))
+        for (where, *arrays), _, _ in parts:
+            for whole, part in zip(batch, arrays):
+                whole[where] = part
+        return batch, parts[0][1], skipped
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        for tokens, positions in self._produce():
-            yield {"input_ids": torch.from_numpy(np.ascontiguousarray(tokens[:, :-1])),
-                   "labels": torch.from_numpy(np.ascontiguousarray(tokens[:, 1:])),
+        for inputs, labels, positions in self._produce():
+            yield {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
                    "position_ids": torch.from_numpy(positions)}
 
     @property
