@@ -9,7 +9,9 @@ shard's tokens ``[i*L, i*L + L]``. A shard of T tokens gives ``(T - 1) // L`` ro
 One source's rows (``SourceRows``). Epoch e takes the shards in the order rng(seed, e) permutes them (pattern order
 without ``shuffle``), each shard's rows in order: E rows an epoch. They are cut into K parts (K = min(lanes, E)) of
 consecutive rows, m = E // K each and one more for the first E mod K, and interleaved: row q < Km of the epoch is
-row q // K of part q mod K, and the rows after are the last rows of parts 0, 1, .... Row n of the source is row
+row q // K of part q mod K, and the rows after are the last rows of parts 0, 1, ...; odd parts are walked from
+their end, so two neighbours meet the shard they share at once (a worker holding both reads it once). The
+source's row n is row
 n mod E of epoch n // E, in lane n mod K: a lane walks one part of each epoch, ~1/K of the shards, while
 consecutive rows come from K places of the epoch. No row is left out.
 
@@ -81,6 +83,8 @@ class SourceRows:
         epoch, q = divmod(n, self.epoch_rows)
         m, extra = divmod(self.epoch_rows, self.width)
         part, step = (q % self.width, q // self.width) if q < self.width * m else (q - self.width * m, m)
+        if part % 2:  # odd parts walk backwards: a shard two parts share is read by both at the same time
+            step = m - (part >= extra) - step
         epoch_row = part * m + min(part, extra) + step
         order, starts = self.shard_order(epoch)
         at = int(np.searchsorted(starts, epoch_row, side="right")) - 1  # past shards of no rows (same start)
