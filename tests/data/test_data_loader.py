@@ -1,5 +1,6 @@
-"""TokenLoader: every token once per epoch across replicas × workers, one stream of rows however many replicas
-share it, document-aware positions, exact resume (also on another number of replicas)."""
+"""TokenLoader: each shard packed whole into rows, the same rows however many replicas and workers share them, each
+replica (and worker) reading only its lanes' shards, document-aware positions, exact resume without replay (also on
+another number of replicas)."""
 import json
 import pickle
 import shutil
