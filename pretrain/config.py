@@ -66,7 +66,10 @@ class DataConfig:
     mix_by: str = "tokens"
     val_shards: str | None = None
     allow_pipe: bool = False  # pipe: URLs run shell commands; refused unless true
-    shuffle_buffer: int = 1000
+    shuffle_buffer: int = 1000  # images a shuffle window holds at least (task vision)
+    # the text rows' lanes (docs/CONTRACTS.md): a replica reads 1/gcd(replicas, lanes) of the shards, and a worker
+    # holds a packed shard per lane it reads; a multiple of the number of data-parallel replicas at scale
+    lanes: int = 64
     num_workers: int = 1
     skip_corrupt: bool = False  # true: a corrupt shard mid-run is logged, counted, skipped
     verify_shards: bool = False  # true: every training shard's sha256 against its manifest before step 1
@@ -295,7 +298,7 @@ def _validate(cfg: DictConfig) -> None:
             raise ConfigError(key, f"{value!r} is not one of {', '.join(allowed)}")
     positive = ["model.dim", "model.n_layers", "model.n_heads", "model.multiple_of", "model.norm_eps",
                 "model.init_std", "train.seq_len", "train.micro_batch_size", "train.grad_accum_steps",
-                "train.max_steps", "train.max_nonfinite_steps", "optim.lr", "optim.eps", "log.every",
+                "train.max_steps", "train.max_nonfinite_steps", "data.lanes", "optim.lr", "optim.eps", "log.every",
                 "log.val_every", "log.val_batches", "checkpoint.every", "checkpoint.keep_last"]
     non_negative = ["model.vocab_size", "model.ffn_hidden", "model.mini_sequence", "data.shuffle_buffer",
                     "data.num_workers", "train.grad_clip", "optim.min_lr", "optim.weight_decay",

@@ -1,39 +1,34 @@
-"""Packed token batches from text shards: one stream of rows shared by the ranks, shuffled, resumable exactly.
+"""Packed token batches from text shards: rows whose order follows from the manifests, each replica reading only the
+shards of its own rows, resumable exactly on any number of replicas.
 
-The shuffle windows, workers and resume are ``pretrain.data.stream``'s (read it first); here a sample is a document's
-token array, and a batch is packed from the stream of documents. Unlike the image loader, ranks do not split the
-shards: every data-parallel replica walks the one stream of all shards (that of rank 0 of 1) and takes its share of
-the batches (below), so the rows of a global step do not depend on how many ranks share them:
+The order of the rows is ``pretrain.data.rows``' (read it first): a function of (seed, epoch, the shards' token
+counts, seq_len, lanes) and, in a mixture, the weights; never of the number of replicas, workers or the batch size.
 
-Packing. Documents (eos included) are concatenated across windows and epochs into one token stream, cut into rows
-of ``seq_len + 1`` tokens that overlap by one: row j holds stream tokens ``[j*L, j*L + L]``, its first L are
-``input_ids`` and its last L are ``labels``, so every token is an input exactly once. ``batch_size`` consecutive rows
-make a batch. ``position_ids`` count from 0 at every document start and at every row start.
+Rows and batches. A row holds ``seq_len + 1`` tokens of one shard: its first L are ``input_ids``, its last L
+``labels``; ``position_ids`` count from 0 at every document start and at every row start. Replica r of R builds, from
+where the iteration started, batch k of the rows ``share`` gives it (round k's rows ≡ r mod R), so R replicas × A
+micro-batches read the same rows as 1 replica × R·A (the elastic resume of docs/CONTRACTS.md). DataLoader worker w
+of W builds, of every batch, the rows of its own lanes (``_Rows.part``), and the trainer's process puts each
+batch's W parts together: a worker reads only its lanes' shards, and keeps one packed shard per lane in memory.
 
-Replicas. Batch J of the stream (counted from where the iteration started) goes to replica J mod R of R; R
-consecutive batches make a *round*. A training step of A accumulated micro-batches on R replicas takes A rounds, so
-R replicas × A micro-batches read the same rows as 1 replica × R·A (the elastic resume of docs/CONTRACTS.md). Each
-replica reads and packs every shard (cheap: millions of tokens/s) and assembles only its own batches.
+The cursor is ``row``, the rows of the stream all replicas have consumed (with ``epoch``, the finished epochs there):
+the same on every replica at a step's end, so a state resumes on any number of replicas and any ``batch_size``, and
+the first batch after it reads only the shards of its rows (no replay). With ``epochs=N`` the stream ends after N
+epochs' rows, and a last round they do not fill is dropped.
 
-The cursor ``(epoch, shard, doc, token)`` — the stream's position of a document and the offset in it — points at the
-first token of the next round. ``state_dict()`` holds the cursor after the round of the last batch handed out, the
-same on every replica at a step's end, so a state resumes on any number of replicas (and any ``batch_size``: it
-names a token, not a batch). Reading and shuffling run at millions of tokens/s, so repeating them in every worker
-costs little; assembling batches is shared.
+A shard that turns out corrupt (``ShardError``) stops the stream, or with ``skip_corrupt`` is logged, counted in
+``skipped_shards`` and replaced: its rows come from the next readable shard of the epoch's order (cyclically), so
+the layout the manifests give holds.
 
-Epochs: with ``epochs=None`` the stream cycles forever. With ``epochs=N`` it ends after N epochs and the final
-tokens that do not fill a round are dropped, so every replica yields the same number of batches.
-
-Mixtures (``MixtureLoader``): several such streams, one per source, and a choice per document of its source: by
-tokens (each source's share of the tokens follows its weight), or by a seeded draw (its share of the documents); the
-packing is the same, and the cursor holds every source's position and counts, and the pick count.
-
-States of a run before the replicas shared one stream (``rank``/``world_size`` in the state) resume when they are a
-one-rank run's (its stream is the same); a several-rank one is refused.
+``PRETRAIN_SHARD_READ_LOG=DIR`` makes every loader process append the URL of each shard it reads to
+``DIR/shard_reads.rank<RANK>.pid<PID>.txt`` (``RANK`` from the environment, 0 without): which shards a rank really
+opened, to set beside what ``tools/bench_data.py`` predicts.
 """
 import hashlib
+import logging
 import math
-from collections import deque
+import os
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -41,250 +36,253 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pretrain.data.shards import expand_shards, recorded_checksums
-from pretrain.data.stream import Position, ShardStream, Skips, StreamLoader, check_at_least, check_split
-from pretrain.data.text_shards import check_tokenizer, iter_shard_tokens
+from pretrain.data.rows import MixedRows, RowPlace, SourceRows, lane_sources, share
+from pretrain.data.shards import ShardError, expand_shards, recorded_checksums
+from pretrain.data.stream import Skips, StreamLoader, check_at_least, check_split
+from pretrain.data.text_shards import check_tokenizer, iter_shard_tokens, shard_counts
 
-ONE_STREAM = dict(rank=0, world_size=1)  # the stream every replica walks: all shards, as rank 0 of 1 read them
-
-
-class Share(NamedTuple):
-    """Which batches of the stream one producer builds: batch J to replica J mod replicas, and the k-th batch of
-    a replica to its worker k mod workers."""
-    replica: int = 0
-    replicas: int = 1
-    worker: int = 0
-    workers: int = 1
-
-    def builds(self, j: int) -> bool:
-        return j % self.replicas == self.replica and j // self.replicas % self.workers == self.worker
-
-
-class _Cursor(NamedTuple):
-    epoch: int
-    shard: int
-    doc: int
-    token: int
-
-
-@dataclass(frozen=True)
-class _Stream(ShardStream):
-    tokenizer_sha256: str | None
-    seq_len: int
-    batch_size: int
-    replica: int
-    replicas: int
-    sample_noun = "document"
-
-    def read_shard(self, url: str) -> list[np.ndarray]:
-        return list(iter_shard_tokens(url, self.checksums.get(url), self.tokenizer_sha256))
-
-    def documents(self, start: _Cursor, skips: Skips) -> Iterator[tuple[np.ndarray, _Cursor]]:
-        """(tokens from the cursor on, cursor of their first token) of each document from ``start``."""
-        for tokens, at in self.samples(Position(*start[:3]), skips):
-            offset = start.token if at == start[:3] else 0
-            yield tokens[offset:], _Cursor(*at, offset)
-
-    def batches(self, start: _Cursor, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
-        skips = Skips(log=worker == 0)
-        share = Share(self.replica, self.replicas, worker, num_workers)
-        return _packed(self.documents(start, skips), skips, self.batch_size, self.seq_len, share)
-
-
-def _packed(documents: Iterator[tuple[np.ndarray, NamedTuple]], skips: Skips, rows: int, length: int,
-            share: Share) -> Iterator[tuple[tuple, tuple, int]]:
-    """(batch, cursor after its round, shards skipped so far) of the batches ``share`` builds, packed from
-    ``documents``, (tokens from the cursor on, cursor of their first token) whose cursor has a ``token`` field. A
-    batch is handed out once its round is packed, so its cursor is the same on every replica."""
-    span = rows * length  # tokens a batch consumes; it also reads the next one, as the last label
-    pending: deque[tuple[np.ndarray, NamedTuple]] = deque()
-    available, k, built = 0, 0, None
-    for tokens, cursor in documents:
-        if len(tokens) == 0:
-            continue
-        pending.append((tokens, cursor))
-        available += len(tokens)
-        while available > span:
-            pieces, starts, taken = [], [], 0
-            while taken < span:
-                tokens, cursor = pending[0]
-                if cursor.token == 0:
-                    starts.append(taken)
-                use = min(len(tokens), span - taken)
-                pieces.append(tokens[:use])
-                if use == len(tokens):
-                    pending.popleft()
-                else:
-                    pending[0] = (tokens[use:], cursor._replace(token=cursor.token + use))
-                taken += use
-            available -= span
-            if share.builds(k):
-                pieces.append(pending[0][0][:1])
-                built = _assemble(np.concatenate(pieces), starts, rows, length)
-            if built is not None and k % share.replicas == share.replicas - 1:  # the end of the round
-                yield built, tuple(pending[0][1]), skips.count
-                built = None
-            k += 1
-
-
-def _assemble(flat: np.ndarray, starts: list[int], rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's ``B*L + 1`` tokens and its position ids, as numpy arrays: they pass between processes several
-    times faster than torch tensors, and the inputs and labels, overlapping views of one array, pass once."""
-    is_start = np.zeros(rows * length, dtype=bool)
-    is_start[starts] = True
-    is_start[::length] = True
-    index = np.arange(rows * length)
-    positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
-    return flat.astype(np.int64), positions.reshape(rows, length)
-
-
-class TokenLoader(StreamLoader):
-    """Iterates dicts of ``input_ids``, ``labels``, ``position_ids`` (``torch.long``, ``[batch_size, seq_len]``):
-    replica ``rank``'s share of the one stream that ``world_size`` replicas share."""
-
-    def __init__(self, pattern: str, *, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, num_workers: int = 0, shuffle: bool = True, shuffle_buffer: int = 1000,
-                 epochs: int | None = None, allow_pipe: bool = False, skip_corrupt: bool = False,
-                 tokenizer_sha256: str | None = None):
-        check_at_least(seq_len=(seq_len, 1), batch_size=(batch_size, 1), world_size=(world_size, 1),
-                       num_workers=(num_workers, 0), shuffle_buffer=(shuffle_buffer, 0))
-        check_split(rank, world_size, epochs)
-        urls = expand_shards(pattern, allow_pipe=allow_pipe)
-        if tokenizer_sha256 is not None:
-            check_tokenizer(urls, tokenizer_sha256)
-        super().__init__(num_workers)
-        self._stream = _Stream(tuple(urls), recorded_checksums(urls), seed=seed, shuffle=shuffle,
-                               shuffle_buffer=shuffle_buffer, epochs=epochs, skip_corrupt=skip_corrupt,
-                               tokenizer_sha256=tokenizer_sha256, seq_len=seq_len, batch_size=batch_size,
-                               replica=rank, replicas=world_size, **ONE_STREAM)
-        self._cursor = _Cursor(0, 0, 0, 0)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        shape = (self._stream.batch_size, self._stream.seq_len)
-        for tokens, positions in self._produce():
-            yield {"input_ids": torch.from_numpy(tokens[:-1].reshape(shape)),
-                   "labels": torch.from_numpy(tokens[1:].reshape(shape).copy()),
-                   "position_ids": torch.from_numpy(positions)}
-
-    def _stream_identity(self) -> dict:
-        """Without rank and world size: every replica reads the one stream, so a state resumes on any number; with
-        the digest of the shards' sha256 from their manifests, so shards moved elsewhere resume, and others do not
-        (None where a shard has none on record: streamed shards)."""
-        identity = super()._stream_identity()
-        del identity["rank"], identity["world_size"]
-        checksums = [self._stream.checksums.get(url) for url in self.shard_urls]
-        digest = None if None in checksums else hashlib.sha256("\n".join(checksums).encode()).hexdigest()
-        return {**identity, "shards_sha256": digest}
-
-    def load_state_dict(self, state: dict) -> None:
-        written_by = state.get("world_size", 1)  # present only in a state from before the replicas shared a stream
-        if written_by != 1:
-            raise ValueError(f"this data loader state is rank {state.get('rank')}'s of {written_by}, written before "
-                             "the ranks shared one stream of rows: it cannot resume with this version (a one-rank "
-                             "run's can); start a new run.dir, or resume with the version that wrote it")
-        state = {key: value for key, value in state.items() if key not in ONE_STREAM}
-        mine = self._stream_identity()["shards_sha256"]
-        if state.get("shards_sha256") is None or mine is None:  # unknown on either side (or a state from before)
-            state["shards_sha256"] = mine
-        super().load_state_dict(state)
-
-
-class _MixCursor(NamedTuple):
-    epoch: int      # the fewest epochs any source has finished
-    draws: int      # the mixed stream's document index (the draw that chose its source)
-    token: int      # offset in that document
-    sources: tuple  # per source: (epoch, shard, index) of its next document, then documents and tokens it gave
-
-
-DRAW_BLOCK = 4096  # draws made by one generator: a document's source costs ~10 ns, not a generator's ~10 µs
-
-
+log = logging.getLogger(__name__)
+DATA_ORDER = 2  # the row order's version in a state; states without it packed one stream across shards
+READ_LOG = "PRETRAIN_SHARD_READ_LOG"
 MIX_BY = ("tokens", "documents")
 
 
+class _Cursor(NamedTuple):
+    epoch: int  # finished epochs at ``row`` (the fewest of any source in a mixture)
+    row: int    # rows of the stream consumed by all replicas
+
+
+class _Packed(NamedTuple):
+    tokens: np.ndarray     # the shard's documents, in their (shuffled) order, concatenated
+    positions: np.ndarray  # per token, its position in its document, at most seq_len (uint16 or uint32)
+
+
 @dataclass(frozen=True)
-class _Mixture:
-    """A mixture's logical stream: pick n chooses a source (``picks``) and takes its next document; each source is
-    its own stream (shuffle windows, epochs), so a cursor holding every source's position and counts and the pick
-    count resumes exactly; the replicas share it as they share a single source's."""
-    sources: tuple[_Stream, ...]
-    weights: tuple[float, ...]  # sum to 1
+class _Source:
+    urls: tuple[str, ...]
+    checksums: dict[str, str]  # sha256 of the local shards, from their manifests
+    counts: tuple[tuple[int, int], ...]  # (tokens, documents) per shard, from their manifests
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """What every producer of batches knows: the sources, the order of rows, and the share to build."""
+    sources: tuple[_Source, ...]
+    order: MixedRows
+    seq_len: int
+    batch_size: int
     replica: int
     replicas: int
     seed: int
     shuffle: bool
-    shuffle_buffer: int
-    batch_size: int
-    seq_len: int
-    by: str  # one of MIX_BY
-    epochs = None  # every source cycles forever
-    rank, world_size = 0, 1  # ONE_STREAM
-
-    @property
-    def checksums(self) -> dict[str, str]:
-        return {url: sha for source in self.sources for url, sha in source.checksums.items()}
+    epochs: int | None
+    skip_corrupt: bool
+    tokenizer_sha256: str | None
 
     @property
     def urls(self) -> tuple[str, ...]:
         return tuple(url for source in self.sources for url in source.urls)
 
+    @property
+    def checksums(self) -> dict[str, str]:
+        return {url: sha for source in self.sources for url, sha in source.checksums.items()}
+
     def epoch_shards(self, epoch: int) -> list[str]:
-        return [url for source in self.sources for url in source.epoch_shards(epoch)]
+        """Every source's shards in the order epoch ``epoch`` walks them."""
+        return [source.urls[i] for source, rows in zip(self.sources, self.order.sources)
+                for i in rows.shard_order(epoch)[0]]
 
-    def picks(self, first: int, taken: list[list[int]]) -> Iterator[int]:
-        """The source of every pick from ``first`` on; ``taken`` is each source's [documents, tokens] given so far,
-        which the caller updates after each pick.
+    def url(self, place: RowPlace) -> str:
+        return self.sources[place.source].urls[place.shard]
 
-        By tokens, the source furthest behind its share of the tokens (``weights[i] · Σ tokens − tokens[i]``
-        largest, the first on a tie), as Megatron's and NeoX's blending indices choose samples, here whole
-        documents: a source's share stays within a document of its weight, whatever its documents' lengths (a 3:1
-        mixture by documents gave 98.8 % / 1.2 % of the tokens where the documents' lengths differed). By
-        documents, a seeded draw by weight (``draws``)."""
-        if self.by == "documents":
-            yield from self.draws(first)
-        else:
-            while True:
-                total = sum(tokens for _, tokens in taken)
-                yield max(range(len(taken)), key=lambda i: self.weights[i] * total - taken[i][1])
+    def part(self, start: int, batch: int, worker: int, num_workers: int) -> list[tuple[int, int]]:
+        """(index in the batch, stream row) of the rows of this replica's batch ``batch`` from ``start`` that worker
+        ``worker`` of ``num_workers`` builds: those of its lanes. The replica meets the lanes ≡ c (mod G), G =
+        gcd(replicas, lanes); lane c + G·i is worker i mod num_workers's."""
+        lanes = self.order.lanes
+        spacing = math.gcd(self.replicas, lanes)
+        rows = share(start, self.batch_size, self.replica, self.replicas, batch)
+        return [(j, g) for j, g in enumerate(rows) if g % lanes // spacing % num_workers == worker]
 
-    def draws(self, first: int) -> Iterator[int]:
-        """The source of every draw from ``first`` on: draw n picks source i with probability ``weights[i]``, from
-        rng(seed, 0, n // DRAW_BLOCK) (0: the rank one-rank runs drew with)."""
-        cdf = np.cumsum(self.weights)
-        cdf[-1] = 1.0
-        block, skip = divmod(first, DRAW_BLOCK)
-        while True:
-            u = np.random.default_rng([self.seed, 0, block, len(self.weights)]).random(DRAW_BLOCK)
-            yield from np.searchsorted(cdf, u, side="right")[skip:].tolist()
-            block, skip = block + 1, 0
+    def batch_count(self, start: int) -> int | None:
+        """Batches a replica builds from row ``start`` (None: forever)."""
+        if self.epochs is None:
+            return None
+        return max(0, (self.order.sources[0].epoch_rows * self.epochs - start) // (self.batch_size * self.replicas))
 
-    def documents(self, start: _MixCursor, skips: Skips) -> Iterator[tuple[np.ndarray, _MixCursor]]:
-        streams = [source.samples(Position(*at[:3]), skips) for source, at in zip(self.sources, start.sources)]
-        heads = [next(stream) for stream in streams]  # (tokens, position) of each source's next document
-        taken = [list(at[3:]) for at in start.sources]
-        for n, i in enumerate(self.picks(start.draws, taken), start=start.draws):
-            offset = start.token if n == start.draws else 0
-            where = tuple((*at, *count) for (_, at), count in zip(heads, taken))
-            yield heads[i][0][offset:], _MixCursor(min(at.epoch for _, at in heads), n, offset, where)
-            taken[i][0] += 1
-            taken[i][1] += len(heads[i][0])
-            heads[i] = next(streams[i])
+    def batches(self, start: tuple, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
+        """Per batch of the replica: (the part of it worker ``worker`` builds, cursor after its round, shards skipped
+        so far); a part is (indices in the batch, and ``_assemble``'s inputs, labels, position ids of its rows)."""
+        skips, lanes, corrupt = Skips(log=True), {}, set()  # each worker meets its own shards
+        count, k, row = self.batch_count(start[1]), 0, start[1]
+        while count is None or k < count:
+            mine = self.part(row, k, worker, num_workers)
+            rows = [self._row(self.order.place(g), lanes, corrupt, skips) for _, g in mine]
+            after = row + (k + 1) * self.batch_size * self.replicas
+            yield ([j for j, _ in mine], *_assemble(rows, self.seq_len)), (self.order.epoch(after), after), skips.count
+            k += 1
 
-    def batches(self, start: _MixCursor, worker: int = 0, num_workers: int = 1) -> Iterator[tuple[tuple, tuple, int]]:
-        skips = Skips(log=worker == 0)
-        share = Share(self.replica, self.replicas, worker, num_workers)
-        return _packed(self.documents(start, skips), skips, self.batch_size, self.seq_len, share)
+    def _row(self, place: RowPlace, lanes: dict, corrupt: set, skips: Skips) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, positions in their documents) of one row; ``lanes`` holds the shard each lane read last."""
+        key = place[:3]
+        held = lanes.get((place.source, place.lane))
+        if held is None or held[0] != key:
+            held = next((entry for entry in lanes.values() if entry[0] == key), None)  # a shard two lanes share
+            if held is None:
+                held = (key, *self._readable(place, corrupt, skips))
+            lanes[(place.source, place.lane)] = held
+        _, packed, rows = held
+        at = place.row % rows * self.seq_len
+        return packed.tokens[at:at + self.seq_len + 1], packed.positions[at:at + self.seq_len]
+
+    def _readable(self, place: RowPlace, corrupt: set, skips: Skips) -> tuple[_Packed, int]:
+        """The packed shard of ``place`` and its rows; with ``skip_corrupt``, a corrupt one's stand-in."""
+        layout, shard = self.order.sources[place.source], place.shard
+        for _ in range(len(layout.tokens)):
+            if (place.source, shard) not in corrupt and layout.shard_rows[shard] > 0:
+                try:
+                    return self._read(place.source, place.epoch, shard), int(layout.shard_rows[shard])
+                except ShardError as err:
+                    if not self.skip_corrupt:
+                        raise
+                    corrupt.add((place.source, shard))
+                    skips.record(err)
+            shard = layout.next_shard(place.epoch, shard)
+        raise ShardError(f"no readable document in epoch {place.epoch} ({len(layout.tokens)} shards, "
+                         f"{skips.count} skipped as corrupt)")
+
+    def _read(self, source: int, epoch: int, shard: int) -> _Packed:
+        url, tokens = self.sources[source].urls[shard], self.sources[source].counts[shard][0]
+        _log_read(url)
+        documents = list(iter_shard_tokens(url, self.sources[source].checksums.get(url), self.tokenizer_sha256))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch, source, shard]).permutation(len(documents))
+            documents = [documents[i] for i in order]
+        flat = np.concatenate(documents) if documents else np.zeros(0, np.int64)
+        if len(flat) != tokens:
+            raise ShardError(f"shard {url} holds {len(flat)} tokens, but its manifest records {tokens}")
+        lengths = np.fromiter(map(len, documents), np.int64, len(documents))
+        positions = np.arange(len(flat), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        np.minimum(positions, self.seq_len, out=positions)
+        return _Packed(flat, positions.astype(np.uint16 if self.seq_len < 1 << 16 else np.uint32))
+
+
+def _log_read(url: str) -> None:
+    directory = os.environ.get(READ_LOG)
+    if directory:
+        path = os.path.join(directory, f"shard_reads.rank{os.environ.get('RANK', '0')}.pid{os.getpid()}.txt")
+        with open(path, "a") as f:
+            f.write(url + "\n")
+
+
+def _assemble(rows: list[tuple[np.ndarray, np.ndarray]], length: int) -> tuple[np.ndarray, ...]:
+    """The rows' ``[n, L]`` inputs, labels and position ids, as numpy arrays: they pass between processes several
+    times faster than torch tensors. A row's positions are its tokens' in their documents, but at most their offset
+    in the row: a row start starts afresh."""
+    inputs, labels, positions = (np.empty((len(rows), length), np.int64) for _ in range(3))
+    offsets = np.arange(length)
+    for i, (tokens, in_document) in enumerate(rows):
+        inputs[i], labels[i] = tokens[:-1], tokens[1:]
+        np.minimum(in_document, offsets, out=positions[i])
+    return inputs, labels, positions
+
+
+class TokenLoader(StreamLoader):
+    """Iterates dicts of ``input_ids``, ``labels``, ``position_ids`` (``torch.long``, ``[batch_size, seq_len]``):
+    replica ``rank``'s share of the rows that ``world_size`` replicas share."""
+
+    def __init__(self, pattern: str, *, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, num_workers: int = 0, shuffle: bool = True, lanes: int = 64,
+                 epochs: int | None = None, allow_pipe: bool = False, skip_corrupt: bool = False,
+                 tokenizer_sha256: str | None = None):
+        check_at_least(seq_len=(seq_len, 1), batch_size=(batch_size, 1), world_size=(world_size, 1),
+                       num_workers=(num_workers, 0), lanes=(lanes, 1))
+        check_split(rank, world_size, epochs)
+        urls = expand_shards(pattern, allow_pipe=allow_pipe)
+        if tokenizer_sha256 is not None:
+            check_tokenizer(urls, tokenizer_sha256)
+        super().__init__(num_workers)
+        source = _Source(tuple(urls), recorded_checksums(urls), tuple(shard_counts(urls)))
+        rows = SourceRows(tuple(tokens for tokens, _ in source.counts), seq_len, lanes, seed, shuffle)
+        self._stream = _Rows((source,), MixedRows((rows,), (0,) * lanes), seq_len, batch_size, rank, world_size,
+                             seed, shuffle, epochs, skip_corrupt, tokenizer_sha256)
+        self._cursor = _Cursor(0, 0)
+
+    def _parts_per_batch(self) -> int:
+        """Each worker builds the rows of its own lanes of every batch."""
+        return max(1, self.num_workers)
+
+    def _merge(self, parts: tuple) -> tuple[tuple[np.ndarray, ...], tuple, int]:
+        """The batch from its workers' parts (in process: the one part, the whole batch)."""
+        skipped = sum(count for *_, count in parts)
+        if len(parts) == 1:
+            return parts[0][0][1:], parts[0][1], skipped
+        s = self._stream
+        batch = tuple(np.empty((s.batch_size, s.seq_len), np.int64) for _ in range(3))
+        for (where, *arrays), _, _ in parts:
+            for whole, part in zip(batch, arrays):
+                whole[where] = part
+        return batch, parts[0][1], skipped
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for inputs, labels, positions in self._produce():
+            yield {"input_ids": torch.from_numpy(inputs), "labels": torch.from_numpy(labels),
+                   "position_ids": torch.from_numpy(positions)}
+
+    @property
+    def lanes(self) -> int:
+        return self._stream.order.lanes
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows of an epoch of the (first) source."""
+        return self._stream.order.sources[0].epoch_rows
+
+    def place_of_row(self, row: int) -> tuple[str, int]:
+        """(the shard, the row of it) that the stream's row ``row`` is."""
+        place = self._stream.order.place(row)
+        return self._stream.url(place), place.row
+
+    def planned_shards(self, batches: int, *, worker: int = 0, num_workers: int = 1) -> set[str]:
+        """The shards this replica's worker ``worker`` of ``num_workers`` reads for its batches among the next
+        ``batches`` of the replica (from the cursor), without reading any: the loader's own walk, for benchmarks and
+        tests to hold the reads to."""
+        stream, start = self._stream, self._cursor.row
+        count = stream.batch_count(start)
+        return {stream.url(stream.order.place(g)) for k in range(batches if count is None else min(batches, count))
+                for _, g in stream.part(start, k, worker, num_workers)}
+
+    def _stream_identity(self) -> dict:
+        """Without rank and world size: the rows do not depend on them, so a state resumes on any number; with the
+        digest of the shards' sha256 from their manifests, so shards moved elsewhere resume, and others do not
+        (None where a shard has none on record: streamed shards)."""
+        s, recorded = self._stream, self._stream.checksums
+        checksums = [recorded.get(url) for url in s.urls]
+        digest = None if None in checksums else hashlib.sha256("\n".join(checksums).encode()).hexdigest()
+        names = "\n".join(os.path.basename(u) for u in s.urls).encode()
+        return {"data_order": DATA_ORDER, "seed": s.seed, "shuffle": s.shuffle, "seq_len": s.seq_len,
+                "lanes": s.order.lanes, "num_shards": len(s.urls),
+                "shards_crc32": zlib.crc32(names), "shards_sha256": digest}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "data_order" not in state:
+            raise ValueError("this data loader state was written before the replicas read their own shares "
+                             f"(data order 1; this version orders rows by shard and lane, data order {DATA_ORDER}): "
+                             "it cannot resume here; start a new run.dir, or resume with the version that wrote it")
+        mine = self._stream_identity()["shards_sha256"]
+        if state.get("shards_sha256") is None or mine is None:  # unknown on either side
+            state = {**state, "shards_sha256": mine}
+        super().load_state_dict(state)
 
 
 class MixtureLoader(TokenLoader):
-    """TokenLoader's batches packed from documents of several sources, shared out by weight (a data mixture).
+    """TokenLoader's batches from the rows of several sources, shared out by weight (a data mixture).
 
     ``sources`` are ``(TokenLoader, weight)`` pairs, the loaders built for the same rank, world size, seed, shuffle,
-    ``seq_len`` and ``batch_size`` (only their streams are used; their ``epochs`` must be None: a mixture runs
-    forever). ``by="tokens"`` gives each source its weight's share of the tokens, ``by="documents"`` of the
-    documents (``_Mixture.picks``). Picks are a pure function of (seed, pick index) and the counts so far, and
-    ``state_dict()`` holds each source's position and counts, so the mixture resumes exactly with any
-    ``num_workers`` and any number of replicas.
+    ``seq_len``, ``batch_size`` and ``lanes`` (only their shards are used; their ``epochs`` must be None: a mixture
+    runs forever). Source i gets a share of the lanes (``rows.lane_sources``), hence of the rows and tokens:
+    ``by="tokens"`` its weight's share, ``by="documents"`` its weight times its mean document length (from the
+    manifests), so its share of the documents is its weight's. Each source walks its own epochs.
     """
 
     def __init__(self, sources: Sequence[tuple[TokenLoader, float]], *, num_workers: int = 0, by: str = "tokens"):
@@ -298,28 +296,36 @@ class MixtureLoader(TokenLoader):
         for i, ((_, weight), stream) in enumerate(zip(sources, streams)):
             if not (isinstance(weight, int | float) and math.isfinite(weight) and weight > 0):
                 raise ValueError(f"sources[{i}] weight={weight!r}: expected a number > 0")
-            for key in ("replica", "replicas", "seed", "shuffle", "shuffle_buffer", "seq_len", "batch_size", "epochs"):
+            for key in ("replica", "replicas", "seed", "shuffle", "seq_len", "batch_size", "epochs"):
                 if getattr(stream, key) != getattr(first, key):
                     raise ValueError(f"sources[{i}] {key}={getattr(stream, key)!r}, but sources[0] has "
                                      f"{getattr(first, key)!r}: every source must be read alike")
+            if stream.order.lanes != first.order.lanes:
+                raise ValueError(f"sources[{i}] lanes={stream.order.lanes}, but sources[0] has "
+                                 f"{first.order.lanes}: every source must be read alike")
         if first.epochs is not None:
             raise ValueError(f"epochs={first.epochs}: a mixture runs forever (epochs=None)")
         StreamLoader.__init__(self, num_workers)
         total = sum(weight for _, weight in sources)
-        self._stream = _Mixture(tuple(streams), tuple(weight / total for _, weight in sources), first.replica,
-                                first.replicas, first.seed, first.shuffle, first.shuffle_buffer, first.batch_size,
-                                first.seq_len, by)
-        self._cursor = _MixCursor(0, 0, 0, tuple((0, 0, 0, 0, 0) for _ in streams))
+        self.weights = tuple(weight / total for _, weight in sources)
+        self.by = by
+        per_row = [1.0] * len(streams)
+        if by == "documents":  # rows of source i per document of it: its mean document length
+            per_row = [sum(t for t, _ in s.sources[0].counts) / sum(d for _, d in s.sources[0].counts)
+                       for s in streams]
+        shares = [w * r for w, r in zip(self.weights, per_row)]
+        lane_source = lane_sources([s / sum(shares) for s in shares], first.order.lanes)
+        layouts = tuple(SourceRows(s.order.sources[0].tokens, first.seq_len, lane_source.count(i), first.seed,
+                                   first.shuffle) for i, s in enumerate(streams))
+        self._stream = _Rows(tuple(s.sources[0] for s in streams), MixedRows(layouts, lane_source), first.seq_len,
+                             first.batch_size, first.replica, first.replicas, first.seed, first.shuffle, None,
+                             first.skip_corrupt, first.tokenizer_sha256)
+        self._cursor = _Cursor(0, 0)
 
     def source_counts(self) -> list[tuple[int, int]]:
-        """(documents, tokens) each source has given the rounds so far, over all replicas (a document cut by the last
-        round counts as given, with the tokens taken of it)."""
-        cursor = self._cursor
-        current = next(self._stream.picks(cursor.draws, [list(at[3:]) for at in cursor.sources]))
-        return [(documents + int(i == current and cursor.token > 0), tokens + (cursor.token if i == current else 0))
-                for i, (*_, documents, tokens) in enumerate(cursor.sources)]
+        """(rows, input tokens) each source has given every replica's batches so far."""
+        return [(rows, rows * self._stream.seq_len) for rows in self._stream.order.source_rows(self._cursor.row)]
 
     def _stream_identity(self) -> dict:
-        by = {"by": self._stream.by} if self._stream.by != "documents" else {}  # states from before `by` drew so
-        return {**super()._stream_identity(), "weights": list(self._stream.weights), **by,
+        return {**super()._stream_identity(), "weights": list(self.weights), "by": self.by,
                 "source_shards": [len(source.urls) for source in self._stream.sources]}

@@ -13,7 +13,7 @@ its own document (``position_ids`` restart at 0), so the causal mixers see each 
 its own, and every row has the same length.
 
 Batch ``j`` of the stream comes from its own generator, seeded by (split, seed, 1, 0, j) (1, 0: the world size and
-rank one-rank runs were keyed by). As TokenLoader's, the data-parallel replicas share the one stream: replica ``r``
+rank one-rank runs were keyed by). As TokenLoader's rounds, the data-parallel replicas share the stream: replica ``r``
 of ``R`` takes batches ``r, r + R, ...``, so the rows of a global step do not depend on how many replicas share
 them, and resuming, on any number of replicas, needs only the number of batches the replicas have taken.
 """

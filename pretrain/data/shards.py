@@ -181,7 +181,7 @@ def verify_shards(urls: list[str], *, report: Callable[[str], None] | None = Non
 
 # ---------------------------------------------------------------- reading
 
-def _read_whole(url: str) -> bytes:
+def read_whole(url: str) -> bytes:
     """The bytes of a shard; streamed ones through webdataset's ``gopen`` (imported only for them: it imports
     torch). A failed command or download is a ``ShardError`` naming the URL and the cause."""
     try:
@@ -241,7 +241,7 @@ def _long_name(kind: int, data: bytes) -> bytes | None:
 def iter_members(url: str, sha256: str | None = None) -> Iterator[tuple[str, bytes]]:
     """(name, data) of each regular file in the tar (or .tar.gz) at ``url``, the whole of it read and checked first
     (against ``sha256`` of the file, when given)."""
-    raw = _read_whole(url)
+    raw = read_whole(url)
     try:
         buf = gzip.decompress(raw) if url.endswith(".gz") else raw
     except (OSError, EOFError, zlib.error) as err:

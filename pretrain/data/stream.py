@@ -211,15 +211,25 @@ class StreamLoader:
         else:
             produced = DataLoader(_WorkerShare(stream, start), batch_size=None, num_workers=self.num_workers,
                                   collate_fn=_as_is, worker_init_fn=_leave_stop_signals_to_the_trainer)
-        for item in produced:
-            if isinstance(item, _WorkerFailure):
-                raise item.error
-            batch, cursor, skipped = item
+        # the iterator lives only in the loop (no local): an error raised here frees it, and its workers, at once
+        for parts in zip(*[iter(produced)] * self._parts_per_batch()):
+            for item in parts:
+                if isinstance(item, _WorkerFailure):
+                    raise item.error
+            batch, cursor, skipped = self._merge(parts)
             self._cursor = start._make(cursor)
             self.skipped_shards = skipped_before + skipped
             self.batches += 1
             yield batch
         self._cursor = start._make((stream.epochs,) + (0,) * (len(start) - 1))  # only a finite stream ends
+
+    def _parts_per_batch(self) -> int:
+        """Items produced per batch: 1 where each worker builds whole batches (in turn)."""
+        return 1
+
+    def _merge(self, parts: tuple) -> tuple[Any, tuple, int]:
+        """(batch, cursor, shards skipped) from one batch's produced items."""
+        return parts[0]
 
     def _stream_identity(self) -> dict:
         s = self._stream

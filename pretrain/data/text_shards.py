@@ -14,6 +14,7 @@ Documents are cut into shards in input order, so the same inputs and tokenizer g
 whatever the number of tokenizing processes.
 """
 import json
+import logging
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -31,12 +32,14 @@ from pretrain.data.shards import (
     is_streamed,
     iter_samples,
     load_manifest,
+    read_whole,
     recorded_checksums,
     write_manifest,
 )
 from pretrain.data.text_files import expand_inputs, read_text_documents
 from pretrain.data.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 TOKEN_DTYPES = {"tokens.u16": np.dtype("<u2"), "tokens.u32": np.dtype("<u4")}
 
 
@@ -82,6 +85,38 @@ def iter_shard_tokens(url: str, sha256: str | None = None, tokenizer_sha256: str
         if i == 0 and tokenizer_sha256 is not None:
             _check_sample_tokenizer(sample, url, tokenizer_sha256)
         yield _tokens(sample, url)
+
+
+def shard_counts(urls: list[str]) -> list[tuple[int, int]]:
+    """(tokens, documents) of each shard, as its directory's ``manifest.json`` records them (``files``: ``tokens``,
+    ``samples``), fetched beside streamed shards too. A shard with no count on record is read once to count it (a
+    pass over it before training starts), with a warning saying how many."""
+    listed: dict[str, dict] = {}
+    counts: list[tuple[int, int] | None] = []
+    for url in urls:
+        directory, _, name = url.rpartition("/")
+        if directory not in listed:
+            listed[directory] = _recorded_counts(directory)
+        counts.append(listed[directory].get(name))
+    missing = [i for i, count in enumerate(counts) if count is None]
+    if missing:
+        log.warning("%d of %d shards have no token count in a manifest.json beside them (first: %s): reading each "
+                    "once to count it", len(missing), len(urls), urls[missing[0]])
+        for i in missing:
+            lengths = [len(tokens) for tokens in iter_shard_tokens(urls[i])]
+            counts[i] = (sum(lengths), len(lengths))
+    return counts
+
+
+def _recorded_counts(directory: str) -> dict[str, tuple[int, int]]:
+    """name -> (tokens, documents) of the shards a directory's manifest lists with both; {} without one."""
+    path = f"{directory or '.'}/{MANIFEST}"
+    try:
+        manifest = json.loads(read_whole(path)) if is_streamed(path) else load_manifest(directory or ".")
+        return {f["name"]: (int(f["tokens"]), int(f["samples"])) for f in manifest["files"]
+                if "tokens" in f and "samples" in f}
+    except (ShardError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _check_sample_tokenizer(sample: dict, url: str, tokenizer_sha256: str) -> None:

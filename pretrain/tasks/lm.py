@@ -51,21 +51,21 @@ class LMTask(TokenRowsTask):
         try:
             return TokenLoader(pattern, seq_len=t.seq_len, batch_size=t.micro_batch_size, rank=self.world.data_rank,
                                world_size=self.world.data_size, seed=cfg.run.seed, num_workers=cfg.data.num_workers,
-                               shuffle_buffer=cfg.data.shuffle_buffer, allow_pipe=cfg.data.allow_pipe,
+                               lanes=cfg.data.lanes, allow_pipe=cfg.data.allow_pipe,
                                skip_corrupt=cfg.data.skip_corrupt, tokenizer_sha256=self.tokenizer.sha256)
         except (OSError, ValueError) as err:
             raise ConfigError(key, str(err)) from None
 
     def train_metrics(self) -> dict[str, float]:
-        """Corrupt shards left out so far (``data.skip_corrupt``) and a mixture's documents and tokens per source, by
-        the sources' names, over all replicas (they share one stream, so every rank holds the same counts at a
-        step's end)."""
+        """Corrupt shards left out so far (``data.skip_corrupt``) and a mixture's rows and tokens per source, by the
+        sources' names, over all replicas (they follow from the rows consumed, the same on every rank at a step's
+        end)."""
         skipped = {"train/skipped_shards": float(self.loader.skipped_shards)}
         if not isinstance(self.loader, MixtureLoader):
             return skipped
         counts = self.loader.source_counts()
         return skipped | {f"train/{name}_{what}": float(value) for name, row in zip(self.source_names, counts)
-                          for what, value in zip(("documents", "tokens"), row)}
+                          for what, value in zip(("rows", "tokens"), row)}
 
     @property
     def has_validation(self) -> bool:

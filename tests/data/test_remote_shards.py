@@ -38,7 +38,7 @@ def test_remote_shards_give_the_local_documents_and_batches(served):
     remote = list(read_documents(f"{url}/{SHARDS}"))
     assert [d.tokens.tolist() for d in remote] == [d.tolist() for d in docs]
     assert remote[0].key.startswith(f"{url}/shard-000000.tar#")
-    settings = dict(seq_len=16, batch_size=2, rank=1, world_size=2, seed=3, shuffle_buffer=10)
+    settings = dict(seq_len=16, batch_size=2, rank=1, world_size=2, seed=3)
     local = TokenLoader(f"{directory}/{SHARDS}", **settings)
     streamed = TokenLoader(f"{url}/{SHARDS}", num_workers=1, **settings)
     for mine, theirs, _ in zip(local, streamed, range(12)):

@@ -81,6 +81,16 @@ def test_one_rank_resumes_on_two(runs, lm_data, tmp_path):
     assert_continues(resumed, reference)
 
 
+def test_four_ranks_resume_on_two_with_accumulation_doubled(runs, lm_data, tmp_path):
+    """Each of the 4 replicas read its own quarter of the lanes; the 2 that resume read their halves of the same
+    rows."""
+    reference = runs(4)
+    resumed = rewound(reference, tmp_path)
+    out = launch(overrides(lm_data, resumed, train__grad_accum_steps=2), ranks=2).stdout
+    assert "elastic resume: written by 4 rank(s)" in out and "global batch" not in out
+    assert_continues(resumed, reference)
+
+
 def test_a_sequence_parallel_run_resumes_without_it(runs, lm_data, tmp_path):
     reference = runs(2, parallel__sequence_parallel=2, deepspeed__zero_stage=2)
     resumed = rewound(reference, tmp_path)

@@ -176,15 +176,18 @@ def test_a_full_disk_for_the_metrics_ends_the_run_naming_the_run_directory(lm_da
 
 
 def test_a_corrupt_shard_met_mid_run_saves_the_last_step_and_names_the_key_that_skips_it(lm_data, tmp_path):
-    """The third shard this rank reads is truncated: the worker meets it mid-run, long after the last periodic
+    """A shard this rank first reads at step 7 is truncated: the worker meets it mid-run, after the last periodic
     checkpoint. The run must save the last completed step (nothing was, before: the steps since the last checkpoint
     were lost), end at once with ``CORRUPT_SHARD`` and one line naming the shard and ``data.skip_corrupt``; the
     relaunch with it leaves the shard out, counts it, and trains exactly as a run that skipped it from the start."""
     data = tmp_path / "shards"
     shutil.copytree(Path(lm_data["train_shards"]).parent, data)
     pattern = str(data / "shard-{000000..000099}.tar")
-    order = TokenLoader(pattern, seq_len=64, batch_size=4, seed=0, shuffle_buffer=64).epoch_shards(0)
-    corrupt = Path(order[2])
+    loader = TokenLoader(pattern, seq_len=64, batch_size=4, seed=0)  # the run's rows
+    first_read: dict[str, int] = {}
+    for row in range(loader.lanes * 4):
+        first_read.setdefault(loader.place_of_row(row)[0], row)
+    corrupt = Path(min((row, url) for url, row in first_read.items() if row >= 6 * 4)[1])  # first met at step 7
     corrupt.write_bytes(corrupt.read_bytes()[:5000])
     run = tmp_path / "run"
     settings = dict(data__train_shards=pattern, data__num_workers=1, checkpoint__every=1000, log__val_every=1000,

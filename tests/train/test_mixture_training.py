@@ -1,5 +1,5 @@
-"""A data mixture in a real run: per-source counts in the metrics under the sources' names, tokens shared out by
-weight, and a relaunch resumes the mixture exactly."""
+"""A data mixture in a real run: per-source counts (rows, tokens) in the metrics under the sources' names, tokens
+shared out by weight, and a relaunch resumes the mixture exactly."""
 import json
 import shutil
 
@@ -35,5 +35,5 @@ def test_a_mixture_run_logs_counts_per_source_and_resumes_exactly(lm_data, tmp_p
     assert logged.count(6) == logged.count(7) == 1 and logged == sorted(logged), logged  # on from step 7, once
     again = read_metrics(resumed)
     for step in range(7, STEPS + 1):
-        for key in ("train/loss", "train/web_tokens", "train/source1_documents"):
+        for key in ("train/loss", "train/web_tokens", "train/source1_rows"):
             assert again[step][key] == reference[step][key], (step, key)
