@@ -41,8 +41,8 @@ def register(name: str, run: Callable, fake: Callable, *, tensors: Sequence[str]
 
     def backward(*args):
         inputs, (grads, wanted), rest = args[:count], args[count:count + 2], args[count + 2:]
-        leaves = [t.detach().requires_grad_() if want else t for t, want in zip(inputs, wanted)]
-        with _autograd_inside_op():
+        leaves = [None if t is None else t.detach().requires_grad_(want) for t, want in zip(inputs, wanted)]
+        with recording_autograd():
             used = [(out, g) for out, g in zip(run(*leaves, *rest), grads) if g is not None and out.requires_grad]
             wrt = [t for t, want in zip(leaves, wanted) if want]
             found = torch.autograd.grad([out for out, _ in used], wrt, [g for _, g in used], allow_unused=True)
@@ -92,8 +92,9 @@ def _unshared(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[t
 
 
 @contextmanager
-def _autograd_inside_op():
-    """Record autograd inside a custom op's body, which the dispatcher runs with autograd's keys excluded."""
+def recording_autograd():
+    """Record autograd, even inside a custom op's body, which the dispatcher runs with autograd's keys excluded (the
+    backward op's recomputation; a first-use check, ``first_use.py``, that a compiled model's first call reaches)."""
     keys = torch._C.DispatchKey
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
