@@ -25,7 +25,7 @@ def compile_blocks(model: nn.Module, **options) -> None:
     over it (under ``fullgraph`` that is an error).
     """
     kinds = {type(block.mixer) if hasattr(block, "mixer") else type(block) for block in model.layers}
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, 8 * len(kinds))
+    config = torch._dynamo.config  # cache_size_limit: recompile_limit's older name, which newer releases still read
+    config.cache_size_limit = max(config.cache_size_limit, 8 * len(kinds))
     for block in model.layers:
         block.forward = torch.compile(block.forward, fullgraph=True, **options)
