@@ -60,7 +60,7 @@ def op_cases():
         "aft_full": (_full_op, (*flat, torch.randn(30, 30, generator=gen).requires_grad_(), cu, True, 8)),
         "aft_local": (_local_op, (*flat, torch.randn(4, generator=gen).requires_grad_(), cu, 4, True, 8)),
         "aft_simple": (_simple_op, (*flat, cu, True, 8)),
-        "softmax_attention": (softmax, (q, k, v, cu, True)),
+        "softmax_attention": (softmax, (q, k, v, cu, True, None, "auto")),
     }
 
 
