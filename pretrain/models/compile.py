@@ -16,16 +16,19 @@ from torch import nn
 
 
 def compile_blocks(model: nn.Module, **options) -> None:
-    """Route every ``model.layers[i]`` call through ``torch.compile(block.forward, fullgraph=True, **options)``.
+    """Route every ``model.layers[i]`` call through ``torch.compile(block.forward, fullgraph=True, dynamic=False)``.
 
     Only the bound ``forward`` is replaced, so parameter names (and checkpoints) are the same compiled or not.
     Every block runs one code object (its class's ``forward``), whose compiled graphs dynamo caches together: one
     per kind of block (mixer class), grad mode (checkpointing runs both) and shape (training, validation). The
     cache's default limit of 8 entries per code object is raised to 8 per kind of block, so a hybrid does not fall
-    over it (under ``fullgraph`` that is an error).
+    over it (under ``fullgraph`` that is an error). ``dynamic=False``: kinds of block differ in their options
+    (``short_conv``, a norm's eps), which dynamo's automatic dynamic shapes would otherwise turn into symbols shared
+    by every kind compiled after the first; the one size that does change, the number of packed documents, is
+    marked dynamic where it is made (``CausalLM.forward``).
     """
     kinds = {type(block.mixer) if hasattr(block, "mixer") else type(block) for block in model.layers}
     config = torch._dynamo.config  # cache_size_limit: recompile_limit's older name, which newer releases still read
     config.cache_size_limit = max(config.cache_size_limit, 8 * len(kinds))
     for block in model.layers:
-        block.forward = torch.compile(block.forward, fullgraph=True, **options)
+        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False, **options)

@@ -42,6 +42,7 @@ def op_cases():
     from pretrain.ops.aft.library import _full_op, _local_op, _simple_op
     from pretrain.ops.decayed_linear_attention.library import _forward as decayed
     from pretrain.ops.delta_rule.library import _forward as delta
+    from pretrain.ops.dplr.library import _dplr_op, _kda_op
     from pretrain.ops.efficient.library import _forward as efficient
     from pretrain.ops.softmax.library import _forward as softmax
 
@@ -56,6 +57,10 @@ def op_cases():
                                                torch.rand(2, 2, 8, generator=gen).requires_grad_(), cu,
                                                "divisive", 1e-6, 8, "chunk")),
         "delta_rule": (delta, (q, unit_k, v, beta, log_decay, state, cu, 8, "chunk")),
+        "dplr_delta_rule": (_dplr_op, (q, unit_k, v, (-0.5 * unit_k.detach()).requires_grad_(), unit_k,
+                                       -torch.rand(1, 23, 2, 8, generator=gen), state, cu, 8, "chunk")),
+        "kda_delta_rule": (_kda_op, (q, unit_k, v, beta, -torch.rand(1, 23, 2, 8, generator=gen), state, cu, 8,
+                                     "chunk")),
         "efficient_attention": (efficient, (q, k, v, None, None, cu, True, False, 8, "auto")),
         "aft_full": (_full_op, (*flat, torch.randn(30, 30, generator=gen).requires_grad_(), cu, True, 8)),
         "aft_local": (_local_op, (*flat, torch.randn(4, generator=gen).requires_grad_(), cu, 4, True, 8)),
@@ -64,8 +69,8 @@ def op_cases():
     }
 
 
-@pytest.mark.parametrize("name", ["decayed_linear_attention", "delta_rule", "efficient_attention", "aft_full",
-                                  "aft_local", "aft_simple", "softmax_attention"])
+@pytest.mark.parametrize("name", ["decayed_linear_attention", "delta_rule", "dplr_delta_rule", "kda_delta_rule",
+                                  "efficient_attention", "aft_full", "aft_local", "aft_simple", "softmax_attention"])
 def test_registration_passes_opcheck(name):
     """Schema, fake implementation, autograd registration and AOT dispatch, checked by PyTorch itself."""
     op, args = op_cases()[name]
@@ -122,8 +127,8 @@ def test_every_causal_mixer_compiles_to_one_graph_per_block_with_eager_results()
         assert_same(logits_and_gradients(compiled, inputs), logits_and_gradients(eager, inputs), rtol=1e-10)
         assert counter.frame_count == len(CAUSAL), step
     ops = {str(node.target) for graph in counter.graphs for node in graph.graph.nodes if node.op == "call_function"}
-    ours = {"linear_attention", "decayed_linear_attention", "delta_rule", "efficient_attention", "aft_full",
-            "aft_local", "aft_simple", "softmax_attention"}
+    ours = {"linear_attention", "decayed_linear_attention", "delta_rule", "dplr_delta_rule", "kda_delta_rule",
+            "efficient_attention", "aft_full", "aft_local", "aft_simple", "softmax_attention"}
     assert {f"pretrain.{name}.default" for name in ours} <= ops, sorted(op for op in ops if "pretrain" in op)
 
 

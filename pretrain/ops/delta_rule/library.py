@@ -19,9 +19,15 @@ def _run(q, k, v, beta, g, initial_state, cu_seqlens, chunk_size, impl):
                            output_final_state=True, chunk_size=chunk_size, impl=impl))
 
 
-def _fake(q, k, v, beta, g, initial_state, cu_seqlens, chunk_size, impl):
+def output_fakes(q, v, cu_seqlens) -> list:
+    """Fake outputs of a delta-rule family op: o in the input dtype, the final state ``[N, H, Dk, Dv]`` in fp32 (fp64
+    for fp64 inputs); shared by ``ops/dplr``."""
     state = (documents(q, cu_seqlens), q.shape[2], q.shape[3], v.shape[3])
     return [v.new_empty(v.shape, dtype=q.dtype), q.new_empty(state, dtype=torch.promote_types(q.dtype, torch.float32))]
+
+
+def _fake(q, k, v, beta, g, initial_state, cu_seqlens, chunk_size, impl):
+    return output_fakes(q, v, cu_seqlens)
 
 
 _forward = register("delta_rule", _run, _fake, tensors=("q", "k", "v", "beta", "g", "initial_state", "cu_seqlens"),
