@@ -87,6 +87,8 @@ class TrainConfig:
     # optimizer, schedule and data position; seq_len may differ), for context extension and fine-tuning. A run
     # that has a checkpoint of its own resumes from it instead.
     init_from: str | None = None
+    # true: each block compiled (torch.compile per block, pretrain/models/compile.py; our ops stay opaque custom ops)
+    compile: bool = False
 
 
 @dataclass
@@ -316,6 +318,13 @@ def _validate(cfg: DictConfig) -> None:
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
     timeout = cfg.parallel.collective_timeout_s
     require(cfg, "parallel.collective_timeout_s", timeout is None or timeout > 0, "must be > 0 (or null)")
+
+    require(cfg, "train.compile", not (cfg.train.compile and sp > 1),
+            f"does not combine with parallel.sequence_parallel {sp}: a mixer on a slice exchanges states with the "
+            "other ranks inside its forward, which a compiled block cannot hold; set one of them off")
+    require(cfg, "train.compile", not (cfg.train.compile and cfg.deepspeed.zero_stage == 3),
+            "does not combine with deepspeed.zero_stage 3: ZeRO-3 gathers each module's weights in hooks the compiler "
+            "may not trace, which would break every block's graph; use zero_stage 0, 1 or 2, or compile false")
 
     model = cfg.model
     if cfg.task in ("lm", "recall"):  # both are causal LMs

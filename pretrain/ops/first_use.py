@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .custom_ops import recording_autograd
+
 # Relative error (‖got − want‖ / ‖want‖) a correct kernel stays under, by the kernel's dtype. The reference runs in
 # fp32 at least; fp32 kernels may multiply in TF32 on a GPU (~1e-3); bf16 has 8 bits of mantissa (~4e-3 per rounding).
 TOLERANCE = {torch.float64: 1e-8, torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -67,7 +69,7 @@ def _compare(kernel, reference, inputs) -> str | None:
     dtype = inputs[0].dtype
     wide = torch.promote_types(dtype, torch.float32)
     try:
-        with torch.enable_grad():
+        with recording_autograd():  # also where a compiled model's first call comes from: inside a custom op
             mine = [x.detach().clone().requires_grad_() for x in inputs]
             theirs = [x.detach().to(wide).requires_grad_() for x in inputs]
             got, want = kernel(*mine), reference(*theirs)

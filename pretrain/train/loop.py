@@ -31,6 +31,7 @@ from pretrain.distributed import (
 from pretrain.distributed.engine import reapply_lr_schedule, step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.exit_codes import PREEMPTED
+from pretrain.models.compile import compile_blocks
 from pretrain.scopes import BACKWARD, scope
 from pretrain.tasks import build_task
 
@@ -191,6 +192,8 @@ class Trainer:
             self.initialised_from = checkpoint.init_weights(model, cfg.train.init_from)
         train_flops_per_unit = self.task.train_flops_per_unit(model)  # before ZeRO-3 partitions the weights
         apply_sequence_parallel(model, self.world.sequence, t.seq_len)
+        if t.compile:  # before checkpointing, which wraps the compiled forward (pretrain/models/compile.py)
+            compile_blocks(model)
         if cfg.deepspeed.activation_checkpointing:
             apply_activation_checkpointing(model)
         self.schedule = Plan(lr=cfg.optim.lr, min_lr=cfg.optim.min_lr, name=cfg.schedule.name,

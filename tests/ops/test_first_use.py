@@ -114,6 +114,19 @@ def test_a_correct_kernel_is_taken_after_its_check(monkeypatch):
     assert kernel.calls == 1 + 2  # checked once, then used for both requests
 
 
+def test_a_correct_kernel_is_taken_when_first_asked_inside_a_custom_op(monkeypatch):
+    """A compiled model's first call reaches the kernel inside the op's body (ops/custom_ops.py), where the dispatcher
+    has turned autograd off: the check records its own gradients regardless, and the kernel passes."""
+    from pretrain.ops.linear_attention.library import linear_attention_op
+
+    kernel = Counted(chunk_form)
+    use_kernel(monkeypatch, kernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        linear_attention_op(*(x.requires_grad_() for x in features()), impl="auto")
+    assert kernel.calls == 1 + 1
+
+
 def test_each_request_class_is_checked_once(monkeypatch):
     kernel = Counted(chunk_form)
     use_kernel(monkeypatch, kernel)

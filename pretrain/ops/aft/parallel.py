@@ -8,6 +8,7 @@ from torch.utils.checkpoint import checkpoint
 from ..documents import per_document
 from ..precision import upcast
 from .chunk import causal_aft
+from .library import aft_full_op, aft_local_op, aft_simple_op
 
 
 def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None, chunk_size=64):
@@ -19,6 +20,8 @@ def aft_full(q, k, v, w, *, causal=True, cu_seqlens=None, chunk_size=64):
     sequence would underflow the early rows to 0/0 once a later key is ~80 larger — and the upper blocks skipped.
     """
     _check_same_shape("aft_full", q, k, v)
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return aft_full_op(q, k, v, w, causal=causal, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     longest = k.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     if w.dim() != 2 or w.shape[0] != w.shape[1] or w.shape[0] < longest:
         raise ValueError(
@@ -57,6 +60,9 @@ def aft_local(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None, chunk_siz
     """
     _check_same_shape("aft_local", q, k, v)
     _check_local_bias(w_rel, window, causal)
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return aft_local_op(q, k, v, w_rel, window=window, causal=causal, cu_seqlens=cu_seqlens,
+                            chunk_size=chunk_size)
     if causal:
         return causal_aft(q, k, v, w_rel, chunk=max(chunk_size, window), cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:
@@ -79,6 +85,8 @@ def aft_local(q, k, v, w_rel, *, window, causal=True, cu_seqlens=None, chunk_siz
 def aft_simple(q, k, v, *, causal=True, cu_seqlens=None, chunk_size=64):
     """AFT-simple: ``σ(Q_t) ⊙ Σ_{t'} softmax_{t'}(K) ⊙ V_{t'}``; causal: a per-channel prefix softmax."""
     _check_same_shape("aft_simple", q, k, v)
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return aft_simple_op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
     if causal:
         return causal_aft(q, k, v, None, chunk=chunk_size, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:

@@ -24,6 +24,7 @@ from ..linear_attention import check_inputs
 from ..linear_attention.state import LinearAttentionState, check_state
 from .chunk import decayed_linear_attention_chunk
 from .fla import decayed_linear_attention_fla
+from .library import decayed_linear_attention_op
 from .naive import decayed_linear_attention_naive
 from .recurrent import decayed_linear_attention_recurrent
 
@@ -67,6 +68,10 @@ def decayed_linear_attention(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}")
     check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, "auto")  # impl checked above, against this op's list
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return decayed_linear_attention_op(q, k, v, g, normalize=normalize, eps=eps, cu_seqlens=cu_seqlens,
+                                           initial_state=initial_state, output_final_state=output_final_state,
+                                           chunk_size=chunk_size, impl=impl)
     g = _checked_decay(g, q)
     if cu_seqlens is not None:
         check_offsets(cu_seqlens, q.shape[1])

@@ -15,6 +15,7 @@ import torch
 from ..delta_rule.state import check_state
 from ..documents import check_offsets, check_packing
 from .chunk import dplr_chunk, kda_chunk
+from .library import dplr_delta_rule_op, kda_delta_rule_op
 from .naive import dplr_naive
 from .recurrent import dplr_recurrent
 
@@ -37,6 +38,9 @@ def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     impl: ``auto`` (= ``chunk``), ``naive``, ``chunk`` or ``recurrent``.
     """
     _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl)
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return dplr_delta_rule_op(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                  output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
     _check_state(q, v, cu_seqlens, initial_state)
     if g is None:
         g = q.new_zeros(q.shape)
@@ -52,6 +56,9 @@ def kda_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     g ``[B, T, H, Dk]`` (≤ 0), k L2-normalized by the caller; otherwise as ``dplr_delta_rule``."""
     if tuple(beta.shape) != tuple(q.shape[:3]):
         raise ValueError(f"kda_delta_rule wants beta [B, T, H] = {tuple(q.shape[:3])}; got {tuple(beta.shape)}")
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return kda_delta_rule_op(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                 output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
     write = beta[..., None].to(k.dtype) * k
     if impl not in ("auto", "chunk"):  # the general forms, on the transition written out
         return dplr_delta_rule(q, write, v, -write, g.exp().to(k.dtype) * k, g, cu_seqlens=cu_seqlens,

@@ -12,6 +12,7 @@ import torch
 from ..documents import per_document
 from ..precision import upcast
 from .chunk import causal_chunked
+from .library import efficient_attention_op
 from .naive import efficient_attention_naive
 from .state import combine_efficient_states, efficient_state
 
@@ -42,6 +43,9 @@ def efficient_attention(
         raise ValueError("efficient_attention: a state exists only for causal=True")
     if (initial_state is not None or output_final_state) and cu_seqlens is not None:
         raise ValueError("efficient_attention: states and cu_seqlens together are not supported")
+    if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
+        return efficient_attention_op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                                      output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
     if impl == "naive":
         if initial_state is not None or output_final_state:
             raise ValueError("efficient_attention: impl='naive' carries no state")

@@ -15,6 +15,7 @@ import torch
 from ..documents import check_packing
 from ..first_use import first_use_ok, sample_inputs
 from .kernels import flash, flash_available, masked, sdpa, varlen, varlen_available
+from .library import softmax_attention_op
 from .naive import softmax_attention_naive
 
 
@@ -37,10 +38,20 @@ def softmax_attention(q, k, v, *, causal: bool = True, cu_seqlens: torch.Tensor 
     ``cu_seqlens``, a host sync. impl: ``auto``, ``naive``, ``sdpa``, ``masked``, ``varlen`` or ``flash``.
     """
     _check(q, k, v, cu_seqlens, max_seqlen, impl)
+    if torch.compiler.is_compiling() and not _traceable(q, cu_seqlens, impl):
+        # one opaque op (library.py) whose body comes back here, eagerly
+        return softmax_attention_op(q, k, v, causal=causal, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=impl)
     if impl == "auto":
         impl = next((name for name in _candidates(q, cu_seqlens is not None)
                      if _trusted(name, q, v, causal, cu_seqlens)), "sdpa")
     return KERNELS[impl](q, k, v, causal, cu_seqlens, max_seqlen)
+
+
+def _traceable(q, cu_seqlens, impl) -> bool:
+    """Whether the compiler may trace this request itself: SDPA over whole rows, as ``auto`` takes it off flash's
+    ground (its own backward then kept; the custom op's recomputes the forward). Packed documents (read on the
+    host), the library kernels and their first-use checks stay inside the op."""
+    return cu_seqlens is None and (impl == "sdpa" or impl == "auto" and not _candidates(q, False))
 
 
 def _candidates(q, packed: bool) -> list[str]:
