@@ -38,7 +38,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short"
 # The first session's ~308M LM at 4k context on one GPU, bf16, ZeRO 2 (configs/softmax_lm_1b.yaml's one-node settings)
 LM="model.vocab_size=0 model.dim=1024 model.n_layers=24 model.n_heads=8 data.tokenizer=.gpudata/tok/stdlib.model
   data.train_shards=.gpudata/shards/train data.val_shards=.gpudata/shards/valid data.num_workers=1
-  data.shuffle_buffer=100 train.seq_len=4096 train.micro_batch_size=4 train.grad_accum_steps=1"
+  train.seq_len=4096 train.micro_batch_size=4 train.grad_accum_steps=1"
 profile() {  # profile NAME CONFIG [k=v ...]: the trainer's tokens/s and MFU, and the step's time by category
     local name=$1 config=$2
     shift 2
