@@ -25,13 +25,7 @@ CHUNK = 16
 DOCUMENTS = [0, 1, 5, 21, 22, 45]  # one-token documents; documents inside a chunk and across its boundaries
 
 
-@pytest.fixture(autouse=True)
-def unwritten_outputs_are_nan():
-    """Deterministic mode fills torch.empty with NaN (on CPU: some CUDA ops around the kernels have no such form), so
-    an element of an output or of a buffer between sweeps that no kernel wrote shows."""
-    torch.use_deterministic_algorithms(DEVICE == "cpu")
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = pytest.mark.usefixtures("unwritten_outputs_are_nan")  # tests/ops/conftest.py
 
 
 def make_inputs(batch, T, heads, dk, dv, *, per_token=True, log_decay=None, seed=0):
