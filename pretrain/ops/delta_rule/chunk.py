@@ -119,16 +119,12 @@ def _own_initial_reads(rows_of, initial, layout: "_Layout", lo: int, hi: int) ->
 def _final_states(K, D, delta, states, initial, layout: "_Layout", lo: int, hi: int) -> torch.Tensor:
     """The state after the last token of each document that ends in chunks ``lo … hi-1``: its state entering its
     last chunk (the carried one, or its own initial state if it began there), decayed, plus its tokens there."""
-    docs, at = layout.ending_in(lo, hi)
-    chunk_start = (lo + at) * layout.size
-    run_start = torch.maximum(layout.starts[docs], chunk_start)
-    count = layout.ends[docs] - run_start
-    local = run_start - lo * layout.size
+    docs, at, local, count, carried = layout.ending_inside(lo, hi)
     (k_rows, index, valid), (d_rows, _, _), (log_rows, _, _) = (
         gather_runs(_rows(x), local, count) for x in (K, delta, D[..., None]))
     log_end = _rows(D[..., None])[local + count - 1]  # [M, H, 1]: at the document's last token
     weights = _exp_where(valid[:, :, None, None], log_end[:, None] - log_rows)
-    entering = torch.where((layout.starts[docs] < chunk_start).view(-1, 1, 1, 1), states[at], initial[docs])
+    entering = torch.where(carried.view(-1, 1, 1, 1), states[at], initial[docs])
     return entering * log_end.exp()[..., None] + torch.einsum("mlhk,mlhv->mhkv", k_rows * weights, d_rows)
 
 
@@ -144,6 +140,15 @@ class _Layout(Chunks):
 
     def blocks(self, heads: int, width: int) -> list[tuple[int, int]]:
         return bounded_blocks(self.count, heads, self.size, width, BLOCK_ELEMENTS)
+
+    def ending_inside(self, lo: int, hi: int):
+        """The documents that end in chunks ``lo … hi-1``: which, the block's chunk holding their end, the
+        block-local index of their first token there and how many it holds, and whether their state enters that chunk
+        carried (they began before it) rather than as their own initial state."""
+        docs, at = self.ending_in(lo, hi)
+        chunk_start = (lo + at) * self.size
+        run_start = torch.maximum(self.starts[docs], chunk_start)
+        return docs, at, run_start - lo * self.size, self.ends[docs] - run_start, self.starts[docs] < chunk_start
 
     def beginning_inside(self, lo: int, hi: int):
         """The documents that begin inside (not at the start of) chunks ``lo … hi-1``; the block-local index of

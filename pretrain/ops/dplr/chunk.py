@@ -196,14 +196,10 @@ def _final_states(keys, values, D, states, initial, layout: _Layout, lo: int, hi
     """The state after the last token of each document that ends in chunks ``lo … hi-1``: its state entering its
     last chunk (the carried one, or its own initial state if it began there), decayed per channel, plus its tokens
     there (``keys [n, H, C, 2, Dk]``: a and k; ``values``: their reads u and v)."""
-    docs, at = layout.ending_in(lo, hi)
-    chunk_start = (lo + at) * layout.size
-    run_start = torch.maximum(layout.starts[docs], chunk_start)
-    count = layout.ends[docs] - run_start
-    local = run_start - lo * layout.size
+    docs, at, local, count, carried = layout.ending_inside(lo, hi)
     (key_rows, _, valid), (value_rows, _, _), (log_rows, _, _) = (
         gather_runs(_rows(x), local, count) for x in (keys, values, D))
     log_end = _rows(D)[local + count - 1]  # [M, H, Dk]: at the document's last token
     weights = _exp_where(valid[:, :, None, None], log_end[:, None] - log_rows)
-    entering = torch.where((layout.starts[docs] < chunk_start).view(-1, 1, 1, 1), states[at], initial[docs])
+    entering = torch.where(carried.view(-1, 1, 1, 1), states[at], initial[docs])
     return entering * log_end.exp()[..., None] + torch.einsum("mlhsk,mlhk,mlhsv->mhkv", key_rows, weights, value_rows)
