@@ -269,7 +269,7 @@ class TokenLoader(StreamLoader):
             raise ValueError("this data loader state was written before the replicas read their own shares "
                              f"(data order 1; this version orders rows by shard and lane, data order {DATA_ORDER}): "
                              "it cannot resume here; start a new run.dir, or resume with the version that wrote it")
-        mine = self._stream_identity()["shards_sha256"]
+        mine = self._identity["shards_sha256"]
         if state.get("shards_sha256") is None or mine is None:  # unknown on either side
             state = {**state, "shards_sha256": mine}
         super().load_state_dict(state)

@@ -22,6 +22,7 @@ A shard that turns out corrupt mid-run (a bad tar, a sha256 other than its manif
 ``ShardError``, or with ``skip_corrupt`` is logged, counted in ``skipped_shards`` and left out whole (the same way on
 every rerun and in every worker). An epoch with no readable sample is an error, not a hang.
 """
+import functools
 import logging
 import os
 import signal
@@ -237,13 +238,19 @@ class StreamLoader:
         return {"rank": s.rank, "world_size": s.world_size, "seed": s.seed, "shuffle": s.shuffle,
                 "shuffle_buffer": s.shuffle_buffer, "num_shards": len(s.urls), "shards_crc32": zlib.crc32(names)}
 
+    @functools.cached_property
+    def _identity(self) -> dict:
+        """``_stream_identity`` once per loader: the shards do not change during a run, and the trainer takes a
+        state every step (hashing thousands of shard names each time cost milliseconds a step)."""
+        return self._stream_identity()
+
     def state_dict(self) -> dict:
-        return {**self._cursor._asdict(), **self._stream_identity(),
+        return {**self._cursor._asdict(), **self._identity,
                 "skipped_shards": self.skipped_shards, "batches": self.batches}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batch the state was taken at (any num_workers)."""
-        for key, mine in self._stream_identity().items():
+        for key, mine in self._identity.items():
             if key not in state:
                 raise ValueError(f"data loader state lacks key {key!r}")
             if state[key] != mine:
