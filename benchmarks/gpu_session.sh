@@ -12,7 +12,8 @@ OUT=${OUT:-/tmp/gpu_out}
 BUDGET_S=${BUDGET_S:-560}
 ONLY=${ONLY:-}
 CACHE_S=25  # kept back at the end to pack the compile cache
-mkdir -p "$OUT"
+RES=/tmp/gpu_results  # each stage's files; packed into $OUT/results.tgz after every stage (8 files come back at most)
+mkdir -p "$OUT" "$RES"
 exec > >(tee -a "$OUT/session.log") 2>&1
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -32,6 +33,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it under min(LIMIT_S, time left)
     local start=$SECONDS
     timeout -k 10 "$limit" "$@"
     echo "=== $name: rc=$? in $((SECONDS - start))s"
+    tar -czf "$OUT/results.tgz" -C "$RES" .
 }
 
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short"
@@ -43,7 +45,7 @@ profile() {  # profile NAME CONFIG [k=v ...]: the trainer's tokens/s and MFU, an
     local name=$1 config=$2
     shift 2
     python3 -m torch.distributed.run --standalone --nproc_per_node=1 tools/profile_step.py --config "$config" \
-        --steps 3 --warmup 3 --top 5 --out "/tmp/prof_$name" --json "$OUT/profile_$name.json" $LM "$@"
+        --steps 3 --warmup 3 --top 5 --out "/tmp/prof_$name" --json "$RES/profile_$name.json" $LM "$@"
 }
 
 stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
@@ -69,7 +71,7 @@ stage profile_gdn_after 180 profile gdn_after configs/lm/gdn_hybrid_1b.yaml trai
 # 3. The op table: ours against our chunk forms, fla where it runs on this image, and SDPA's flash kernel
 stage bench_ops 150 python3 tools/bench_triton_gpu.py --bench 1024,4096,16384 \
     --only linear_triton,decay_triton,gated_delta_triton,sdpa_flash,decay_chunk,gated_delta_chunk \
-    --out "$OUT/gpu_bench_ops.json"
+    --out "$RES/gpu_bench_ops.json"
 stage bench_softmax 60 python3 tools/bench_softmax_packed.py --device cuda --dtype bf16 --batch 8 \
     --seq-len 4096 --heads 16 --head-dim 64 --impls sdpa,varlen,masked
 
@@ -80,12 +82,12 @@ stage profile_softmax_16k 150 profile softmax_16k configs/softmax_lm_1b.yaml tra
     train.seq_len=16384 train.micro_batch_size=1
 
 # 4. What the first session left: the launch-settings sweep, the bf16 ZeRO test on CUDA
-stage sweep 90 python3 tools/bench_triton_gpu.py --sweep --out "$OUT/gpu_sweep.json"
+stage sweep 90 python3 tools/bench_triton_gpu.py --sweep --out "$RES/gpu_sweep.json"
 stage bf16_zero 100 $PYTEST -m gpu tests/train/test_bf16_zero.py
 
 tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" . && ls -la "$OUT/triton.tgz"  # over 16 MiB it does not come back
 echo "=== done at ${SECONDS}s"
-for f in "$OUT"/profile_*.json; do  # the short table the reply carries: tokens/s and MFU per run
+for f in "$RES"/profile_*.json; do  # the short table the reply carries: tokens/s and MFU per run
   [ -f "$f" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/', 1)[-1],
   {k: d['throughput'].get(k) for k in ('train/tokens_per_s', 'train/mfu')}, round(d['step_ms'], 1), 'ms')" "$f"
 done
