@@ -31,7 +31,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it under min(LIMIT_S, time left)
     if ((limit < 15)); then echo "=== $name: skipped, ${left}s left"; return; fi
     echo "=== $name (limit ${limit}s, at ${SECONDS}s)"
     local start=$SECONDS
-    timeout -k 10 "$limit" "$@"
+    timeout -k 10 "$limit" bash -c "$(declare -f profile); \"\$@\"" _ "$@"  # a function runs too
     echo "=== $name: rc=$? in $((SECONDS - start))s"
     tar -czf "$OUT/results.tgz" -C "$RES" .
 }
@@ -41,6 +41,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short"
 LM="model.vocab_size=0 model.dim=1024 model.n_layers=24 model.n_heads=8 data.tokenizer=.gpudata/tok/stdlib.model
   data.train_shards=.gpudata/shards/train data.val_shards=.gpudata/shards/valid data.num_workers=1
   train.seq_len=4096 train.micro_batch_size=4 train.grad_accum_steps=1"
+export LM RES
 profile() {  # profile NAME CONFIG [k=v ...]: the trainer's tokens/s and MFU, and the step's time by category
     local name=$1 config=$2
     shift 2

@@ -337,10 +337,10 @@ def _backward_dk_dv_kernel(
 # Host side: shapes, launches, and the autograd function that ties the sweeps together.
 
 MAX_HEAD_DIM = 256  # the state block (head dim × value block, fp32) lives in registers
-# Launch settings, fixed (nothing needs a GPU to choose them). Picked from the compiler's resource report for
-# sm_90 (B, H, D = 8, 32, 128 in bf16): with 8 warps and channel blocks of 64 no kernel spills (dv: 32 bytes);
-# 4 warps, or blocks of 128, spill. Not yet timed on a GPU: benchmarks/notes_triton.md.
-CONFIG = dict(block=64, num_warps=8, num_stages=2)
+# Launch settings, fixed. Timed on an H200 (benchmarks/gpu_h200_round4.md, B, H, D, T = 8, 32, 128, 8192 in bf16,
+# chunk 64): 4 warps over channel blocks of 64 ran fwd+bwd in 2.94 ms, 8 warps (the resource report's pick, which
+# spills least) in 6.00 ms; every other setting of the sweep at this chunk was slower.
+CONFIG = dict(block=64, num_warps=4, num_stages=2)
 
 
 class _Launch:
