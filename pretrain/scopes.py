@@ -6,6 +6,7 @@ and mixer, again when activation checkpointing recomputes them).
 """
 import contextlib
 
+import torch
 from torch.autograd import profiler
 
 BLOCK = "block"          # a transformer block: what it does outside the scopes below is its residual adds
@@ -21,5 +22,11 @@ _NOTHING = contextlib.nullcontext()
 
 
 def scope(name: str):
-    """A ``with`` block that names what runs in it in a profiler's trace; free when no profiler records."""
+    """A ``with`` block that names what runs in it in a profiler's trace; free when no profiler records.
+
+    Nothing inside compiled code (``train.compile``): the compiler drops a ``record_function`` there anyway, and
+    reading whether a profiler records would make it a guard, so starting a profiler compiled every block again.
+    """
+    if torch.compiler.is_compiling():
+        return _NOTHING
     return profiler.record_function(name) if profiler._is_profiler_enabled else _NOTHING

@@ -25,10 +25,24 @@ def compile_blocks(model: nn.Module, **options) -> None:
     over it (under ``fullgraph`` that is an error). ``dynamic=False``: kinds of block differ in their options
     (``short_conv``, a norm's eps), which dynamo's automatic dynamic shapes would otherwise turn into symbols shared
     by every kind compiled after the first; the one size that does change, the number of packed documents, is
-    marked dynamic where it is made (``CausalLM.forward``).
+    marked dynamic on every call (``_documents_dynamic``).
     """
     kinds = {type(block.mixer) if hasattr(block, "mixer") else type(block) for block in model.layers}
     config = torch._dynamo.config  # cache_size_limit: recompile_limit's older name, which newer releases still read
     config.cache_size_limit = max(config.cache_size_limit, 8 * len(kinds))
     for block in model.layers:
-        block.forward = torch.compile(block.forward, fullgraph=True, dynamic=False, **options)
+        block.forward = _documents_dynamic(torch.compile(block.forward, fullgraph=True, dynamic=False, **options))
+
+
+def _documents_dynamic(compiled):
+    """``compiled``, told before each call that ``cu_seqlens``' length (documents + 1) changes from batch to batch.
+
+    The mark is a tensor's attribute, so it is set here, on the tensor the block receives, not once where the
+    offsets are made: activation checkpointing's recomputation hands the block detached copies, which carry no
+    mark, and each new number of documents would compile its graph again (it did on an H200, every step at 16k).
+    """
+    def forward(x, cu_seqlens=None, position_ids=None):
+        if cu_seqlens is not None:
+            torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+        return compiled(x, cu_seqlens, position_ids)
+    return forward

@@ -111,10 +111,6 @@ class CausalLM(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         else:
             cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-            if not torch.compiler.is_compiling():  # (a whole compiled model traces nonzero's size as symbolic)
-                # the number of documents changes from batch to batch: compiled blocks (train.compile) take it as a
-                # symbolic size, compiled once, not once per count
-                torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
         x = self.embed(input_ids)
         for block in self.layers:
             x = block(x, cu_seqlens, position_ids)

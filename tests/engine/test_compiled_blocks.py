@@ -15,8 +15,9 @@ from pretrain.models import build_lm
 from pretrain.models.compile import compile_blocks
 
 CAUSAL = sorted(name for name, cls in REGISTRY.items() if cls.supports_causal)
-# two steps' packings of two rows of 24 tokens: a one-token document, documents straddling chunks, a whole row
-PACKINGS = ([[9, 1, 14], [24]], [[4, 20], [12, 12]])
+# three steps' packings of two rows of 24 tokens: a one-token document, documents straddling chunks, a whole row;
+# 4, 5 and 2 documents, so a graph specialized to one count would compile again
+PACKINGS = ([[9, 1, 14], [24]], [[4, 20], [2, 10, 12]], [[24], [24]])
 VOCAB = 53
 
 
@@ -117,7 +118,7 @@ def assert_same(compiled, eager, *, rtol):
 
 def test_every_causal_mixer_compiles_to_one_graph_per_block_with_eager_results():
     """fp64, so anything beyond round-off stands out; ``aot_eager`` runs the traced ATen graphs (forward and
-    backward, through the ops' fake implementations). Two steps of different packings: each kind of block compiles
+    backward, through the ops' fake implementations). Three steps of different packings: each kind of block compiles
     once (the number of documents is a symbolic size), and every block's graph holds its custom op."""
     eager, compiled = lm(CAUSAL, torch.float64), lm(CAUSAL, torch.float64)
     counter = CompileCounterWithBackend("aot_eager")
@@ -156,7 +157,7 @@ HYBRID = ["gated_deltanet", "softmax"]
 
 
 def _deepspeed_steps(out) -> None:
-    """Two training steps of a hybrid LM on a one-rank DeepSpeed engine (ZeRO-2), eagerly and compiled with
+    """Three training steps of a hybrid LM on a one-rank DeepSpeed engine (ZeRO-2), eagerly and compiled with
     activation checkpointing: (losses, weights, compiles) of each."""
     from pretrain.distributed import (
         apply_activation_checkpointing,
@@ -195,7 +196,9 @@ def _deepspeed_steps(out) -> None:
 @pytest.mark.dist
 def test_deepspeed_with_activation_checkpointing_trains_as_eager():
     """The compiled blocks run inside DeepSpeed's checkpoint: without autograd in forward, with it in backward's
-    recomputation, so each kind of block compiles twice, and the steps match eager mode's."""
+    recomputation, so each kind of block compiles twice, and the steps match eager mode's. The recomputation gets
+    detached copies of the block's inputs, which carry no dynamic-size mark: until the mark moved next to the
+    compiled forward, each new number of documents compiled again there (on an H200, every step at 16k)."""
     context = mp.get_context("spawn")
     out = context.Queue()
     process = context.Process(target=_deepspeed_steps, args=(out,))
@@ -208,6 +211,19 @@ def test_deepspeed_with_activation_checkpointing_trains_as_eager():
     for name, weight in weights.items():
         torch.testing.assert_close(torch.from_numpy(weights_c[name]), torch.from_numpy(weight), rtol=1e-6,
                                    atol=1e-6 * float(abs(weight).max()), msg=name)
+
+
+def test_starting_a_profiler_compiles_nothing_again():
+    """tools/profile_step.py profiles compiled steps: the blocks' named scopes must not make the profiler's state a
+    guard of their graphs, or the profiled steps time compiling."""
+    model = lm(HYBRID, torch.float32)
+    counter = CompileCounterWithBackend("eager")
+    compile_blocks(model, backend=counter)
+    logits_and_gradients(model, batch(PACKINGS[0], 0))
+    compiled = counter.frame_count
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        logits_and_gradients(model, batch(PACKINGS[1], 1))
+    assert counter.frame_count == compiled == len(HYBRID)
 
 
 def test_compiling_keeps_parameter_names():
