@@ -14,6 +14,9 @@ from the op out through the ops and ``pretrain.scopes`` regions around it):
 - the region the op runs in: ``mixer`` → mixer ops (feature maps, the attention or recurrence op, convolutions,
   gates, per-head norms aside), ``loss`` → loss, ``norm``, ``ffn`` (its activation) and ``block`` (the residual
   adds) → norms & elementwise; the embedding's lookup is elementwise too;
+- compiled blocks (``train.compile``) have no regions inside (the compiler drops them), so a compiled graph's ops
+  go by name: our ops (``pretrain::``, custom ops the graph calls) → mixer ops, a matmul → matmul, the rest of
+  the graph (inductor's fused kernels: norms, activations, gates, residual adds) → norms & elementwise;
 - other: an op outside every region (the task moving the batch to the device, the step's own flag).
 
 A backward op takes the category of the forward op that made it (the trace's ``fwdbwd`` flows join them), so
@@ -59,7 +62,9 @@ NAMED = {  # an op's (or its autograd call's) name decides before the region it 
     "PreBackwardFunctionForModule": "optimizer",  # ZeRO-3's hooks around a module, forward and backward
     "PostBackwardFunctionModule": "optimizer",
     "aten::embedding": "elementwise",  # and its backward, aten::embedding_dense_backward
+    "pretrain::": "mixer",  # our ops (pretrain/ops/custom_ops.py): how a compiled block's mixer shows in a trace
 }
+COMPILED_GRAPH = "## Call CompiledFxGraph"  # a compiled graph's run (forward or backward)
 MATMULS = {"aten::mm", "aten::matmul", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 HOST_CATS = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function", "Operator", "Runtime"}
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "Kernel", "Memcpy", "Memset"}
@@ -174,6 +179,8 @@ def _classify(event: Event) -> str:
         in_matmul = in_matmul or name in MATMULS
         if node.cat == "user_annotation" and name in REGION_CATEGORY:
             return "matmul" if name == scopes.LOSS and in_matmul else REGION_CATEGORY[name]
+        if name.startswith(COMPILED_GRAPH):
+            return "matmul" if in_matmul else "elementwise"
         node = node.forward or node.parent
     return "other"
 

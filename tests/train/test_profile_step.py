@@ -101,6 +101,38 @@ def test_device_time_goes_to_the_launching_ops_category(load_tool):
                                        ("bmm_backward_kernel", pytest.approx(0.010))]
 
 
+def test_a_compiled_blocks_kernels_go_by_what_launched_them(load_tool):
+    """train.compile: no regions inside a compiled graph, so our custom op's kernels are mixer ops (its matmuls
+    too), the graph's matmuls are matmuls, and inductor's fused kernels are elementwise; forward and backward."""
+    categories = load_tool("step_categories")
+    launch = lambda tid, ts, correlation: ("X", "cuda_runtime", "cuLaunchKernel", tid, ts, 1,
+                                          {"correlation": correlation})
+    graph = "## Call CompiledFxGraph fhzguny5qk3f5xoe ##"
+    trace = _trace(
+        ("X", "user_annotation", "ProfilerStep#1", 1, 0, 100, {}),
+        ("X", "cpu_op", "Torch-Compiled Region: 0/0", 1, 1, 40, {}),
+        ("X", "cpu_op", graph, 1, 2, 38, {}),
+        launch(1, 3, 1),  # a fused norm
+        ("X", "cpu_op", "aten::mm", 1, 5, 3, {}), launch(1, 6, 2),
+        ("X", "cpu_op", "pretrain::delta_rule", 1, 10, 20, {}),
+        ("X", "cpu_op", "aten::mm", 1, 11, 3, {}), launch(1, 12, 3),  # a matmul inside our op's chunk form
+        launch(1, 20, 4),  # our Triton kernel
+        ("X", "cpu_op", "CompiledFunctionBackward", 2, 50, 30, {}),
+        ("X", "cpu_op", graph.replace("fhzg", "fyvk"), 2, 51, 28, {}),
+        ("X", "cpu_op", "pretrain::delta_rule_backward", 2, 52, 10, {}), launch(2, 53, 5),
+        launch(2, 70, 6),  # a fused kernel of the backward graph
+        ("X", "kernel", "triton_red_fused_rms_norm_0", 7, 4, 4, {"correlation": 1}),
+        ("X", "kernel", "nvjet_sm90_tst_256x128", 7, 8, 6, {"correlation": 2}),
+        ("X", "kernel", "cutlass_gemm", 7, 14, 6, {"correlation": 3}),
+        ("X", "kernel", "_chunk_kernel", 7, 21, 9, {"correlation": 4}),
+        ("X", "kernel", "_chunk_backward_kernel", 7, 54, 12, {"correlation": 5}),
+        ("X", "kernel", "triton_poi_fused_mul_1", 7, 71, 3, {"correlation": 6}),
+    )
+    counted = categories.step_time(trace).ms_per_step()
+    assert counted == pytest.approx({"mixer": 0.027, "matmul": 0.006, "elementwise": 0.007, "loss": 0,
+                                     "optimizer": 0, "communication": 0, "other": 0, "host": 0.060})
+
+
 def test_cpu_time_is_each_ops_self_time_and_waiting_on_gloo_is_communication(load_tool):
     """CPU: the main thread's ops by their self time (an op inside another counts once), the time outside its ops
     while gloo's thread runs a collective as communication, the rest as host. The step's mark may sit on a thread
