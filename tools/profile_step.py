@@ -158,6 +158,10 @@ def build_report(trainer, args, trace: Path, figures: dict, profiled_s: float) -
         "categories": {key: {"label": labels[key], "ms_per_step": ms, "share": ms / traced_ms,
                              "top": counted.top(key, 10)} for key, ms in per_step.items()},
         "traced_step_ms": traced_ms,  # the categories' sum: the profiled steps by the trace's clock
+        "host_categories": ({key: {"label": labels[key] if key != "host" else HOST_LABEL["cpu"], "ms_per_step": ms,
+                                   "top": counted.top(key, 10, host=True)}
+                             for key, ms in counted.ms_per_step(host=True).items()}
+                            if counted.device == "cuda" else None),  # what the host does while the device waits
         "throughput": figures,  # Throughput.report() over the timed steps: the trainer's own figures
         f"train_flops_per_{unit[:-1]}": trainer.throughput.flops_per_unit,
         "peak_flops": trainer.throughput.peak_flops,
@@ -197,6 +201,12 @@ def table(report: dict, top: int) -> str:
         if key != "host":  # its one name says what the label does
             lines += [f"    {name[:70]:<70}{ms:>10.3f}" for name, ms in row["top"][:top] if ms > 0]
     lines.append(f"{'total':<48}{report['traced_step_ms']:>10.2f}{1:>9.1%}")
+    if report["host_categories"]:  # a step the device waits on is as fast as the host issues it: what the host does
+        lines += ["", f"{'the host (main thread) meanwhile':<48}{'ms/step':>10}"]
+        for row in report["host_categories"].values():
+            lines.append(f"{row['label']:<48}{row['ms_per_step']:>10.2f}")
+            lines += [f"    {name[:70]:<70}{ms:>10.3f}" for name, ms in row["top"][:top]
+                      if ms > 0 and name != "between ops"]
     figures = report["throughput"]
     flops = report[f"train_flops_per_{unit[:-1]}"]
     mfu = (f"MFU {report['mfu']:.1%} of {report['peak_flops'] / 1e12:.0f} TFLOP/s" if report["mfu"] is not None

@@ -26,7 +26,8 @@ their forward does, and so count in the time, never in the FLOPs.
 How time is counted depends on where the step runs:
 - CUDA: the device's time. Each kernel (memcpy and memset included) belongs to the op that launched it; where
   kernels overlap (communication on its own stream beside compute), the overlap is counted once, as the
-  compute's, so "communication" is the exposed part. The time no kernel runs is "device waits on host".
+  compute's, so "communication" is the exposed part. The time no kernel runs is "device waits on host"; what
+  the host does meanwhile is the main thread's time, counted as on CPU below (``host_by_name``).
 - CPU: the main thread's time. Each op counts its self time (without the ops inside it); the time it waits
   outside its ops while gloo's threads run a collective is communication; the rest, "host, between ops", is
   Python, the data loader, DeepSpeed's and autograd's bookkeeping.
@@ -92,13 +93,16 @@ class StepTime:
     window_us: float
     steps: int
     device: str  # "cuda" or "cpu": what was counted
+    host_by_name: dict[str, dict[str, float]]  # the main thread's time, as by_name is on CPU: what the device waits on
 
-    def ms_per_step(self) -> dict[str, float]:
-        return {key: sum(names.values()) / self.steps / 1e3 for key, names in self.by_name.items()}
+    def ms_per_step(self, host: bool = False) -> dict[str, float]:
+        by_name = self.host_by_name if host else self.by_name
+        return {key: sum(names.values()) / self.steps / 1e3 for key, names in by_name.items()}
 
-    def top(self, category: str, count: int) -> list[tuple[str, float]]:
+    def top(self, category: str, count: int, host: bool = False) -> list[tuple[str, float]]:
         """The ``count`` names that take most of ``category``'s time: (name, ms per step)."""
-        names = sorted(self.by_name[category].items(), key=lambda item: -item[1])[:count]
+        by_name = self.host_by_name if host else self.by_name
+        names = sorted(by_name[category].items(), key=lambda item: -item[1])[:count]
         return [(name, us / self.steps / 1e3) for name, us in names]
 
 
@@ -121,11 +125,9 @@ def step_time(trace: dict) -> StepTime:
     window = (steps[0].start, steps[-1].end)
     _nest(host)
     _link_backward_to_forward(host, flows)
-    if device:
-        by_name = _device_time(device, host, window)
-    else:
-        by_name = _main_thread_time(host, _main_thread(host, window), window)
-    return StepTime(by_name, window[1] - window[0], len(steps), "cuda" if device else "cpu")
+    host_by_name = _main_thread_time(host, _main_thread(host, window), window)
+    by_name = _device_time(device, host, window) if device else host_by_name
+    return StepTime(by_name, window[1] - window[0], len(steps), "cuda" if device else "cpu", host_by_name)
 
 
 def _nest(events: list[Event]) -> None:

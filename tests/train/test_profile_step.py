@@ -99,6 +99,10 @@ def test_device_time_goes_to_the_launching_ops_category(load_tool):
                                                    "host": 0.040})
     assert counted.top("mixer", 5) == [("bmm_kernel", pytest.approx(0.015)),
                                        ("bmm_backward_kernel", pytest.approx(0.010))]
+    # what the host's main thread does meanwhile: each op's self time (its launches aside), the rest between ops
+    assert counted.ms_per_step(host=True) == pytest.approx({"mixer": 0.007, "matmul": 0.003, "elementwise": 0,
+                                                            "loss": 0, "optimizer": 0.008, "communication": 0.004,
+                                                            "other": 0, "host": 0.078})
 
 
 def test_a_compiled_blocks_kernels_go_by_what_launched_them(load_tool):
