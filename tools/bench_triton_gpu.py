@@ -259,22 +259,25 @@ def bench(results, lengths, only=None, B=8, H=32, D=128):
 
 
 def sweep(results, T=8192, B=8, H=32, D=128):
-    """Launch settings of our kernels at one length: forward and forward+backward time."""
+    """Launch settings of the linear and decayed kernels (they share ``CONFIG``) at one length: forward and
+    forward+backward time."""
     configs = [dict(block=64, num_warps=8, num_stages=2), dict(block=64, num_warps=8, num_stages=3),
                dict(block=32, num_warps=8, num_stages=2), dict(block=32, num_warps=4, num_stages=2),
                dict(block=64, num_warps=4, num_stages=2), dict(block=128, num_warps=8, num_stages=2)]
     rows = []
     results["sweep"] = dict(T=T, rows=rows)
     default = dict(kernels.CONFIG)
-    for cfg in configs:
-        for chunk in (64, 128):
-            kernels.CONFIG.update(cfg)
-            setup = make_ops(B, T, H, D, chunk)["linear_triton"]
-            r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}  # a config the compiler refuses: error
-            error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
-            rows.append({**cfg, "chunk": chunk, "fwd": r["fwd"]["ms"], "fwd+bwd": r["fwd+bwd"]["ms"], "error": error})
-            log(f"sweep {cfg} chunk={chunk}: " + (error or f"fwd {r['fwd']['ms']:.3f} ms, "
-                                                           f"fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"))
+    for op in ("linear_triton", "decay_triton"):
+        for cfg in configs:
+            for chunk in (64, 128):
+                kernels.CONFIG.update(cfg)
+                setup = make_ops(B, T, H, D, chunk)[op]
+                r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}  # one the compiler refuses: error
+                error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
+                rows.append({"op": op, **cfg, "chunk": chunk, "fwd": r["fwd"]["ms"], "fwd+bwd": r["fwd+bwd"]["ms"],
+                             "error": error})
+                log(f"sweep {op} {cfg} chunk={chunk}: " + (error or f"fwd {r['fwd']['ms']:.3f} ms, "
+                                                                  f"fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"))
     kernels.CONFIG.update(default)
 
 
@@ -319,7 +322,8 @@ def main():
 def table(results):
     log("\n== summary ==")
     for row in results.get("sweep", {}).get("rows", []):
-        log(f"sweep block={row['block']} w={row['num_warps']} s={row['num_stages']} C={row['chunk']}: "
+        log(f"sweep {row.get('op', 'linear_triton')} block={row['block']} w={row['num_warps']} "
+            f"s={row['num_stages']} C={row['chunk']}: "
             f"fwd {row['fwd']} fwd+bwd {row['fwd+bwd']} {row['error'] or ''}")
     by = {}
     for r in results.get("bench", []):
