@@ -15,7 +15,8 @@ The WY/UT chunked form of ``chunk.py``, split much as flash-linear-attention spl
   (``dΔ_out``, ``dS_out``: what the output stage hands back for Δ and for the state entering the chunk), then
   batched ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``.
 Batched PyTorch does the rest: the cumulative log-gate, Γ, the output ``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ``, and
-autograd between the pieces.
+autograd between the pieces. A forward nothing differentiates runs the output inside the scan instead
+(``_scan_output_kernel``): no per-chunk state or Δ is written.
 
 Chunks start at each document's first token (packed documents are sequences of their own, as in the linear
 attention kernels): a document's last chunk is padded with tokens of β = 0, g = 0, k = q = v = 0, which write
@@ -39,7 +40,6 @@ import triton
 import triton.language as tl
 
 from ..linear_attention.triton import _mm
-from ..precision import upcast
 from ..recompute import bounded_blocks, in_blocks
 
 MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registers
@@ -124,6 +124,42 @@ def _scan_backward_kernel(
         G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
             - _mm(tl.trans(W), dd, None, PRECISION)
     tl.store(d_initial + state_at, G, mask=state_mask)
+
+
+@triton.jit
+def _scan_output_kernel(
+    q, k, w, u, log_decay, initial, out, final, first_chunk,
+    H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The forward scan with the output stage inside, for a forward nothing differentiates: per chunk, from the
+    state in registers, Δ = U − W S and O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ, then S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ.
+    Neither the per-chunk states nor Δ reach memory. ``log_decay`` is D, the log-gate summed from the chunk's
+    start."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
+    i_n, i_h = i_nh // H, i_nh % H
+    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
+    v0 = i_v * BV
+    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
+    S = tl.load(initial + state_at, mask=state_mask, other=0.0)
+    rows = tl.arange(0, BC)
+    causal = rows[:, None] >= rows[None, :]
+    for c in range(c0, c1):
+        tile = c * H + i_h  # int64: the offsets are loaded as such
+        at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        Q = tl.load(q + at_k, mask=mask_k, other=0.0)
+        K = tl.load(k + at_k, mask=mask_k, other=0.0)
+        d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
+        d_last = tl.load(log_decay + tile * C + C - 1)
+        delta = tl.load(u + at_v, mask=mask_v, other=0.0) - _mm(tl.load(w + at_k, mask=mask_k, other=0.0), S, None,
+                                                                PRECISION)
+        gamma = tl.exp(tl.where(causal, d[:, None] - d[None, :], float("-inf")))  # masked before exp: no overflow
+        scores = _mm(Q, tl.trans(K), None, PRECISION) * gamma
+        o = _mm(scores, delta, _mm(Q * tl.exp(d)[:, None], S, None, PRECISION), PRECISION)
+        tl.store(out + at_v, o, mask=mask_v)
+        S = _mm(tl.trans(K * tl.exp(d_last - d)[:, None]), delta, S * tl.exp(d_last), PRECISION)
+    tl.store(final + state_at, S, mask=state_mask)
 
 
 @triton.jit
@@ -361,26 +397,59 @@ def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int,
 def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str):
     """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta, g [·, H]``) from ``entering`` (the
     state of the document running into chunk lo, if one does) → their ``o`` rows (input dtype), the state of the
-    document running past chunk hi-1 (if one does) and the final states of the documents ending in them."""
-    dtype, size = q.dtype, q.shape[0] // (hi - lo)
-    Q, K, V, B, G = (x.view(hi - lo, size, *x.shape[1:]).transpose(1, 2) for x in upcast(q, k, v, beta, g))
-    below = torch.ones(size, size, dtype=torch.bool, device=q.device).tril(-1)
+    document running past chunk hi-1 (if one does) and the final states of the documents ending in them.
+
+    Without autograd (the forward pass, whose backward reruns the block with it; decoding's prefill) the output
+    stage runs inside the scan; with it, in pieces autograd differentiates."""
+    dtype = q.dtype
+    differentiated = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, g, entering, initial))
+    Q, K, V, B, G = (_chunk_rows(x, hi - lo) for x in (q, k, v, beta, g))
     D = G.cumsum(-1)  # [n, H, C]
+    W, U = _UT.apply(K, V, B, D, precision)
+    d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
+    given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
+    starting = (torch.cat([entering[None], given[1:]]) if runs_in else given).contiguous()
+    if differentiated:
+        out, leaving = _output_in_pieces(Q, K, G, D, W, U, starting, first_chunk, precision)
+    else:
+        out, leaving = _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision)
+    rows = out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]).to(dtype)
+    return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
+
+
+def _chunk_rows(x: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Padded rows ``[n·C, H, *]`` → contiguous chunk tensors ``[n, H, C, *]`` in the accumulation dtype, in one copy
+    (upcasting, then laying out, would write and read an fp32 copy twice)."""
+    chunked = x.view(chunks, x.shape[0] // chunks, *x.shape[1:]).transpose(1, 2)
+    accumulation = torch.promote_types(x.dtype, torch.float32)
+    return chunked.to(accumulation, memory_format=torch.contiguous_format).contiguous()  # (same dtype: .to keeps it)
+
+
+def _output_in_pieces(Q, K, G, D, W, U, starting, first_chunk, precision):
+    """``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ`` from the scan's per-chunk states and Δ, batched over chunks → (O, the
+    state after each document's chunks)."""
+    size = Q.shape[-2]
+    below = torch.ones(size, size, dtype=torch.bool, device=Q.device).tril(-1)
     # Γ, its diagonal (e^0) and the last token's e^{D_C − D} a constant 1: as D_i − D_i, their gradients would be
     # ±terms of size 1 that cancel in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
     decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(size).diag()
     after = torch.cat([G.flip(-1).cumsum(-1).flip(-1)[..., 1:], G.new_zeros(*G.shape[:-1], 1)], -1)  # D_C − D
-    W, U = _UT.apply(K.contiguous(), V.contiguous(), B.contiguous(), D.contiguous(), precision)
     handing = K * after.exp()[..., None]
+    states, delta, leaving = _Scan.apply(W, U, handing.contiguous(), D[..., -1].exp().contiguous(), starting,
+                                         first_chunk, precision)
+    return (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta, leaving
 
-    d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
-    given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
-    starting = torch.cat([entering[None], given[1:]]) if runs_in else given
-    states, delta, leaving = _Scan.apply(W, U, handing.contiguous(),
-                                         D[..., -1].exp().contiguous(), starting.contiguous(), first_chunk, precision)
-    out = (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta
-    rows = out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]).to(dtype)
-    return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
+
+def _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision):
+    """The same ``(O, leaving states)`` from one kernel that keeps each chunk's state and Δ in registers."""
+    n, heads, size, dk = Q.shape
+    dv, docs = U.shape[-1], first_chunk.numel() - 1
+    out, final = torch.empty_like(U), Q.new_empty(docs, heads, dk, dv)
+    geometry = _geometry(heads, size, dk, dv, precision)
+    _scan_output_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
+        Q, K, W, U, D, starting, out, final, first_chunk, **geometry)
+    return out, final
 
 
 def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
