@@ -4,8 +4,6 @@ The references mask with ``document_mask``; the chunked ops lay the ids out by c
 segmented sum. An op whose fast form is a per-sequence scan can simply run once per document
 (``per_document``): one Python call each, cheap next to the work inside for documents of useful length.
 """
-import weakref
-
 import torch
 import torch.nn.functional as F
 
@@ -21,24 +19,43 @@ def check_packing(batch: int, cu_seqlens: torch.Tensor | None) -> None:
                          f"{tuple(cu_seqlens.shape)}")
 
 
-_last_checked = None  # (a weak reference to the offsets last checked, their version, T, documents)
+class OffsetsMemo:
+    """The last value built from offsets' values, for the next call with the same offsets.
+
+    Reading offsets on the host waits for the stream on a GPU, and a model hands every layer the same offsets, but
+    not always the same tensor: activation checkpointing's recomputation hands each block a detached copy. So "the
+    same" is the same memory, layout and version (an in-place change bumps it); the memo holds the tensor it was
+    built from, so that memory cannot be reused by other offsets meanwhile (a few bytes)."""
+
+    def __init__(self):
+        self._key, self._held, self._value = None, None, None
+
+    def get(self, cu_seqlens: torch.Tensor | None, build, *extra):
+        """``build()``'s value, or the last one's where ``cu_seqlens`` (None too) and ``extra`` are the same."""
+        key = extra if cu_seqlens is None else (cu_seqlens.device, cu_seqlens.dtype, tuple(cu_seqlens.shape),
+                                                cu_seqlens.stride(), cu_seqlens.data_ptr(), cu_seqlens._version,
+                                                *extra)
+        if self._key != key:
+            self._value = build()
+            self._key, self._held = key, cu_seqlens
+        return self._value
+
+
+_checked = OffsetsMemo()
 
 
 def check_offsets(cu_seqlens: torch.Tensor, length: int) -> int:
     """What only the values show: offsets rising strictly from 0 to ``length``; returns the number of documents.
 
-    The values are read once per tensor (and again after an in-place change): a model hands every layer the same
-    offsets, and on a GPU each read waits for the stream, so checking per layer cost a host sync per layer."""
-    global _last_checked
-    if (_last_checked is not None and _last_checked[0]() is cu_seqlens
-            and _last_checked[1:3] == (cu_seqlens._version, length)):
-        return _last_checked[3]
-    offsets = cu_seqlens.tolist()
+    The values are read once per offsets (``OffsetsMemo``), not once per layer: each read is a host sync."""
+    return _checked.get(cu_seqlens, lambda: _validated(cu_seqlens.tolist(), length), length)
+
+
+def _validated(offsets: list[int], length: int) -> int:
     if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != length or any(
             b <= a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"cu_seqlens must rise strictly from 0 to T={length} (no empty documents); "
                          f"got {offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-8:]}")
-    _last_checked = (weakref.ref(cu_seqlens), cu_seqlens._version, length, len(offsets) - 1)
     return len(offsets) - 1
 
 

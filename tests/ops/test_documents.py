@@ -51,16 +51,21 @@ def test_document_ids_count_documents_and_read_nothing_from_the_device():
 
 
 def test_offsets_are_read_once_per_tensor_and_again_after_a_change(monkeypatch):
-    """Every layer gets the model's one offsets tensor: reading it per layer was a host sync per layer on a GPU."""
+    """Every layer gets the model's one offsets, as the tensor or (activation checkpointing's recomputation) a
+    detached copy of it: reading them per layer was a host sync per layer on a GPU."""
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
     offsets = torch.tensor([0, 3, 8], dtype=torch.int32)
     assert [check_offsets(offsets, 8) for _ in range(4)] == [2] * 4
+    assert check_offsets(offsets.detach(), 8) == check_offsets(offsets[:], 8) == 2
     assert len(reads) == 1
+    assert check_offsets(offsets.clone(), 8) == 2  # other memory: read
+    assert check_offsets(offsets, 8) == 2
+    assert len(reads) == 3
     offsets[1] = 0  # changed in place: read and refused
     with pytest.raises(ValueError, match="rise strictly"):
         check_offsets(offsets, 8)
     with pytest.raises(ValueError, match="from 0 to T=9"):  # another length: checked again
         check_offsets(torch.tensor([0, 3, 8]), 9)
-    assert len(reads) == 3
+    assert len(reads) == 5

@@ -31,7 +31,6 @@ hold them to ``chunk``.
 """
 import bisect
 import os
-import weakref
 from functools import partial
 from itertools import chain
 
@@ -39,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..documents import OffsetsMemo
 from ..linear_attention.triton import _mm
 from ..recompute import bounded_blocks, in_blocks
 
@@ -378,20 +378,15 @@ def _on_device(rows: list[list[int]], device) -> torch.Tensor:
     return host.to(device)
 
 
-_last_layout = None  # (what it was built for, a weak reference to the offsets, the layout): every layer shares one
+_layouts = OffsetsMemo()  # every layer shares one
 
 
 def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int, device) -> _DocumentChunks:
-    """The chunk layout of the request, the last one again when the offsets are the same tensor, unchanged."""
-    global _last_layout
-    key = (batch, length, size, str(device), None if cu_seqlens is None else cu_seqlens._version)
-    if _last_layout is not None and _last_layout[0] == key and (
-            cu_seqlens is None if _last_layout[1] is None else _last_layout[1]() is cu_seqlens):
-        return _last_layout[2]
-    offsets = list(range(0, batch * length + 1, length)) if cu_seqlens is None else cu_seqlens.tolist()
-    layout = _DocumentChunks(offsets, size, device)
-    _last_layout = (key, None if cu_seqlens is None else weakref.ref(cu_seqlens), layout)
-    return layout
+    """The chunk layout of the request, the last one again for the same offsets (``OffsetsMemo``)."""
+    def build():
+        offsets = list(range(0, batch * length + 1, length)) if cu_seqlens is None else cu_seqlens.tolist()
+        return _DocumentChunks(offsets, size, device)
+    return _layouts.get(cu_seqlens, build, batch, length, size, str(device))
 
 
 def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str):
