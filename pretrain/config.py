@@ -41,7 +41,9 @@ class ModelConfig:  # the LM's keys; a vision run reads only init_std, norm_eps 
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 4
-    ffn_hidden: int = 0  # SwiGLU width; 0 → 8/3·dim rounded up to multiple_of
+    # the block's feed-forward: swiglu, or rwkv_channel_mix (RWKV's token-shifted ReLU², docs/MIXERS.md#rwkv7)
+    ffn: str = "swiglu"
+    ffn_hidden: int = 0  # the feed-forward's width; 0 → swiglu 8/3·dim, rwkv_channel_mix 4·dim, up to multiple_of
     multiple_of: int = 64
     norm_eps: float = 1.0e-5
     tie_embeddings: bool = True  # LM head shares the embedding matrix
@@ -207,6 +209,7 @@ CHOICES = {
     "schedule.name": ("cosine", "wsd", "constant"),
     "deepspeed.precision": ("fp32", "bf16", "fp16"),
     "data.mix_by": ("tokens", "documents"),
+    "model.ffn": ("swiglu", "rwkv_channel_mix"),
 }
 
 
@@ -318,6 +321,9 @@ def _validate(cfg: DictConfig) -> None:
             f"must divide train.seq_len {cfg.train.seq_len} (each rank holds an equal slice)")
     timeout = cfg.parallel.collective_timeout_s
     require(cfg, "parallel.collective_timeout_s", timeout is None or timeout > 0, "must be > 0 (or null)")
+    require(cfg, "model.ffn", cfg.model.ffn != "rwkv_channel_mix" or sp == 1,
+            f"rwkv_channel_mix does not combine with parallel.sequence_parallel {sp}: its token shift reads the "
+            "previous slice's last token, which crosses no rank outside a mixer; use swiglu, or sequence_parallel 1")
 
     require(cfg, "train.compile", not (cfg.train.compile and sp > 1),
             f"does not combine with parallel.sequence_parallel {sp}: a mixer on a slice exchanges states with the "
@@ -338,6 +344,9 @@ def _validate(cfg: DictConfig) -> None:
     else:
         require(cfg, "model.mini_sequence", model.mini_sequence == 0,
                 f"slices the rows of a causal LM's blocks; task {cfg.task} has no rows (set 0)")
+        require(cfg, "model.ffn", model.ffn == "swiglu",
+                f"{model.ffn!r} is a causal LM's feed-forward (its token shift reads the token before); task "
+                f"{cfg.task}'s blocks use swiglu")
         _validate_vision(cfg)
 
     require(cfg, "optim.min_lr", cfg.optim.min_lr <= cfg.optim.lr, "must not exceed optim.lr")

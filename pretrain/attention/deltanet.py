@@ -17,7 +17,7 @@ from .base import Mixer
 from .common import MAMBA2_A_INIT_RANGE, MAMBA2_DT_INIT_FLOOR, MAMBA2_DT_MAX, MAMBA2_DT_MIN, mamba2_decay_init
 from .norm import RMSNorm
 from .registry import register
-from .sequence_parallel import SliceConvolutions, delta_rule_entering
+from .sequence_parallel import SliceConvolutions, transition_entering
 
 
 @register("deltanet")
@@ -69,7 +69,8 @@ class DeltaNet(Mixer):
         """The op's q, k, v on this rank's slice, and the state entering each of its packed documents."""
         convolutions = SliceConvolutions(self, x, position_ids, self.sequence)
         q, k, v = self.features(*self.split(convolutions.early, packed=True))
-        initial, packet = delta_rule_entering(k, v, beta, g, position_ids, self.sequence, cu_seqlens.numel() - 1,
+        riders = [beta, torch.zeros_like(beta) if g is None else g]
+        initial, packet = transition_entering(k, v, riders, position_ids, self.sequence, cu_seqlens.numel() - 1,
                                               chunk_size=self.chunk_size, convolutions=convolutions,
                                               transition=self.transition_of_tokens)
         if self.short_conv:  # the first K − 1 tokens again, now with the previous rank's halo

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.dplr import dplr_delta_rule
+from ..ops.dplr.state import dplr_transition_of_tokens
 from ..ops.precision import upcast
 from .base import Mixer
 from .common import token_positions
 from .registry import register
+from .sequence_parallel import SliceConvolutions, transition_entering
 
 SHIFTED = ("r", "w", "k", "v", "a", "g")  # the inputs that mix the token with the one before it, in this order
 
@@ -40,8 +42,12 @@ def paper_rank(dim: int, factor: float, power: float) -> int:
 
 @register("rwkv7")
 class RWKV7(Mixer):
-    """Not sequence parallel here: the token shift reads the previous slice's last token, which the slices' one
-    all-gather does not carry yet. The decoding state is ``(S, the last token's input, short_conv tails)``."""
+    """The token shift is a two-tap convolution of the input x, the short convolutions (when on) read what it makes:
+    together they read ``conv_reach`` inputs x before a token. On a sequence slice those are the previous slice's
+    last ones, which ``SliceConvolutions`` carries in the one all-gather beside the state's map (the delta rule's
+    pair, on RWKV-7's transitions). The decoding state is ``(S, the last token's input, short_conv tails)``."""
+
+    supports_sequence_parallel = True
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, short_conv: int = 0, chunk_size: int = 64,
                  impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False, decay_rank: int | None = None,
@@ -66,23 +72,73 @@ class RWKV7(Mixer):
         batch, seq_len, _ = x.shape
         if position_ids is None:
             position_ids = token_positions(batch, seq_len, cu_seqlens, x.device)
-        previous = F.pad(x[:, :-1], (0, 0, 1, 0)) * (position_ids > 0)[..., None].to(x.dtype)
-        inputs = self._shifted(x, previous)
-        r, k, v = self.convolved(self.projections_of(inputs), position_ids)
-        o, _ = self._mix(inputs, r, k, v, packed=cu_seqlens is not None, cu_seqlens=cu_seqlens)
+        initial = None
+        if self.sequence is None:
+            parts = self.convolved([x], position_ids)
+        else:
+            parts, initial = self._on_slice(x, cu_seqlens, position_ids)
+        o, _ = self._mix(parts, packed=cu_seqlens is not None, cu_seqlens=cu_seqlens, initial_state=initial)
         return o
+
+    def _on_slice(self, x, cu_seqlens, position_ids):
+        """The per-token parts on this rank's slice, and the state entering each of its packed documents."""
+        self.check_sequence_parallel(self.sequence.size, x.shape[1])
+        convolutions = SliceConvolutions(self, x, position_ids, self.sequence, remade_riders=True)
+        key, v, *riders = self.keys_values(convolutions.early, position_ids)
+        initial, packet = transition_entering(key, v, riders, position_ids, self.sequence, cu_seqlens.numel() - 1,
+                                              chunk_size=self.chunk_size, convolutions=convolutions,
+                                              transition=dplr_transition_of_tokens)
+        return convolutions.final(packet), initial  # the first conv_reach tokens again, with the previous rank's x
 
     def forward_with_state(self, x, state):
         """The state is ``(S [B, H, D, D], the input of the token before x [B, C], short_conv tails)``."""
         S, last, tails = state if state is not None else (None, x.new_zeros(x.shape[0], x.shape[2]), None)
         inputs = self._shifted(x, torch.cat([last[:, None], x[:, :-1]], dim=1))
         projected = self.projections_of(inputs)
-        r, k, v = self.convolved(projected, None, tails)
+        r, k, v = super().convolved(projected, None, tails)  # the base's: the short convolutions alone
         if self.short_conv:
             tails = [conv.tail(p, b) for conv, p, b in zip(self.convolutions(), projected, tails or [None] * 3)]
         impl = "recurrent" if x.shape[1] == 1 else self.impl  # one decoded token: no chunks to set up
-        y, S = self._mix(inputs, r, k, v, packed=False, initial_state=S, output_final_state=True, impl=impl)
+        y, S = self._mix(self._parts(inputs, r, k, v), packed=False, initial_state=S, output_final_state=True,
+                         impl=impl)
         return y, (S, x[:, -1], tails)
+
+    @property
+    def conv_reach(self) -> int:
+        """How many inputs x before a token it reads: one for the token shift, ``short_conv − 1`` more for the short
+        convolutions of the shifted tokens' projections."""
+        return super().conv_reach + 1
+
+    def check_sequence_parallel(self, size: int, slice_len: int) -> None:
+        if slice_len < self.conv_reach:
+            raise ValueError(f"a slice of {slice_len} tokens is shorter than the {self.conv_reach} tokens before it "
+                             f"that rwkv7 reads (1 for its token shift, {self.conv_reach - 1} for short_conv): use "
+                             "fewer sequence ranks or a smaller short_conv")
+
+    def projections(self, x):
+        """``[x]``: what the token shift reads, so what a sequence slice's halo carries."""
+        return [x]
+
+    def convolved(self, inputs, position_ids=None, before=None):
+        """The per-token parts (``_parts``) of ``inputs = [x [B, T, C]]`` at ``position_ids`` (a token shift never
+        crosses into an earlier document), reaching into ``before = [the conv_reach inputs x just before these]``
+        (a sequence slice's halo; None: zeros). The tokens of ``before`` that a tap reads are in the first token's
+        document, so their positions continue back from it; the others' are negative and never read."""
+        (x,) = inputs
+        reach = 0 if before is None else before[0].shape[1]
+        if reach:
+            x = torch.cat([before[0], x], dim=1)
+            back = torch.arange(-reach, 0, device=x.device)
+            position_ids = torch.cat([position_ids[:, :1] + back, position_ids], dim=1)
+        previous = F.pad(x[:, :-1], (0, 0, 1, 0)) * (position_ids > 0)[..., None].to(x.dtype)
+        inputs = self._shifted(x, previous)
+        r, k, v = super().convolved(self.projections_of(inputs), position_ids)
+        return self._parts({name: t[:, reach:] for name, t in inputs.items()}, *(t[:, reach:] for t in (r, k, v)))
+
+    def keys_values(self, convolved, position_ids):
+        """What the state reads per token: the keys k̃ and values, and (remade from the halo) a, b and log w."""
+        _, key, v, a, b, log_decay, _ = convolved
+        return key, v, a, b, log_decay
 
     def _shifted(self, x, previous) -> dict[str, torch.Tensor]:
         """Each input's mix of the token and the one before it, ``x + μ ⊙ (x_{t−1} − x)``."""
@@ -93,22 +149,32 @@ class RWKV7(Mixer):
         """r, k, v ``[B, T, C]``: the short convolutions' inputs."""
         return [self.q_proj(inputs["r"]), self.k_proj(inputs["k"]), self.v_proj(inputs["v"])]
 
-    def _mix(self, inputs, r, k, v, *, packed, impl=None, **options):
-        """The op over r, k, v and the token-shifted inputs, then the norm, bonus and gate → ``(y, state or None)``."""
-        batch, seq_len, dim = r.shape
-        shape = (1, batch * seq_len) if packed else (batch, seq_len)
-        heads = shape + (self.num_heads, self.head_dim)
-        log_decay = -math.exp(-0.5) * torch.sigmoid(upcast(self.decay_lora(inputs["w"]))[0])  # fp32 at least
+    def _parts(self, inputs, r, k, v) -> list[torch.Tensor]:
+        """What the op and the output read per token, from the shifted inputs and the (convolved) r, k, v: r, k̃, v,
+        the op's a = −η ⊙ κ̂ and b = κ̂, log w ``[B, T, H, D]`` (log w fp32 at least) and the output gate
+        ``[B, T, C]``."""
+        batch, seq_len, _ = r.shape
+        heads = (batch, seq_len, self.num_heads, self.head_dim)
+        log_decay = -math.exp(-0.5) * torch.sigmoid(upcast(self.decay_lora(inputs["w"]))[0])
         rate = torch.sigmoid(self.rate_lora(inputs["a"]))
         kappa = F.normalize((k * self.key_scale).reshape(heads), dim=-1)
         key = k * (1 + (rate - 1) * self.key_rate_mix)
-        rate, key, r, v = (t.reshape(heads) for t in (rate, key, r, v))
-        result = dplr_delta_rule(r, key, v, -rate * kappa, kappa, log_decay.reshape(heads), chunk_size=self.chunk_size,
-                                 impl=impl or self.impl, **options)
+        rate, key, r, v, log_decay = (t.reshape(heads) for t in (rate, key, r, v, log_decay))
+        return [r, key, v, -rate * kappa, kappa, log_decay, self.gate_lora(inputs["g"])]
+
+    def _mix(self, parts, *, packed, impl=None, **options):
+        """The op over the per-token parts, then the norm, bonus and gate → ``(y, state or None)``."""
+        r, key, v, a, b, log_decay, gate = parts
+        batch, seq_len, heads, head_dim = r.shape
+        if packed:  # the op's cu_seqlens layout, [1, B·T, H, D]
+            r, key, v, a, b, log_decay = (t.reshape(1, batch * seq_len, heads, head_dim)
+                                          for t in (r, key, v, a, b, log_decay))
+        result = dplr_delta_rule(r, key, v, a, b, log_decay, chunk_size=self.chunk_size, impl=impl or self.impl,
+                                 **options)
         o, state = result if isinstance(result, tuple) else (result, None)
         bonus = (r * self.bonus * key).sum(-1, keepdim=True) * v
-        normed = self.out_norm(o.reshape(-1, dim)).reshape(heads)
-        y = (normed + bonus).reshape(batch, seq_len, dim) * self.gate_lora(inputs["g"])
+        normed = self.out_norm(o.reshape(-1, self.dim)).reshape(o.shape)
+        y = (normed + bonus).reshape(batch, seq_len, self.dim) * gate
         return self.o_proj(y), state
 
     def flops_per_token(self, seq_len: int) -> float:

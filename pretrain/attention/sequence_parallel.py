@@ -118,15 +118,20 @@ class SliceConvolutions:
     halo (``early``: right from token ``K − 1`` on), and the slice hands on the state of its tail without its first
     ``K − 1`` tokens (``own``). Their inputs travel in the packet beside the halo (``packet``), and every rank
     computes every earlier rank's state of them from the gathered copies (``first_states_from``), put in front of
-    that rank's state before the fold. After it, ``final`` runs the convolutions again with the real halo.
+    that rank's state before the fold. After it, ``final`` convolves the first ``K − 1`` tokens again with the real
+    halo.
 
     The mixer says what it convolves and what its state reads of it: ``projections(x)`` (the convolutions' inputs,
     ``[B, T, C_i]`` each), ``convolved(inputs, position_ids, before)``, ``conv_reach`` (``K − 1``) and
     ``keys_values(convolved, position_ids)`` (the k and v that ``state_of`` reads).
+
+    ``remade_riders``: the state's riders are made from the convolved inputs too (rwkv7's, after its token shift), so
+    the halo changes them: ``keys_values`` returns them after k and v, and they stay out of the packet.
     """
 
-    def __init__(self, mixer, x: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard):
-        self.mixer, self.position_ids, self.shard = mixer, position_ids, shard
+    def __init__(self, mixer, x: torch.Tensor, position_ids: torch.Tensor, shard: SequenceShard, *,
+                 remade_riders: bool = False):
+        self.mixer, self.position_ids, self.shard, self.remade_riders = mixer, position_ids, shard, remade_riders
         self.reach = mixer.conv_reach
         self.inputs = mixer.projections(x)
         self.early = mixer.convolved(self.inputs, position_ids)
@@ -139,6 +144,7 @@ class SliceConvolutions:
         """What the all-gather carries: the first and the last ``K − 1`` of each input, and the first tokens'
         positions, whether they belong to the tail (the document the slice hands on) and their ``riders``."""
         first, last = slice(0, self.reach), slice(tail.shape[1] - self.reach, tail.shape[1])
+        riders = () if self.remade_riders else riders
         return [*(t[:, first] for t in self.inputs), *(t[:, last] for t in self.inputs),
                 self.position_ids[:, first], tail[:, first], *(r[:, first] for r in riders)]
 
@@ -158,38 +164,43 @@ class SliceConvolutions:
             positions = positions.flatten(0, 1).long()
             halos = [torch.cat([last[:1], last[:-1]]).flatten(0, 1) for last in lasts]
             convolved = self.mixer.convolved([first.flatten(0, 1) for first in firsts], positions, halos)
-            k, v = self.mixer.keys_values(convolved, positions)
-            fields = state_of(k, v, tail.flatten(0, 1) > 0.5, *(r.flatten(0, 1) for r in riders))
+            k, v, *remade = self.mixer.keys_values(convolved, positions)
+            fields = state_of(k, v, tail.flatten(0, 1) > 0.5, *remade, *(r.flatten(0, 1) for r in riders))
             return [field.unflatten(0, (size, batch)) for field in fields]
 
         return first_states
 
     def final(self, gathered_packet: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The inputs convolved with the previous rank's halo (``[B, T, C_i]`` each), from the gathered ``packet``."""
+        """The inputs convolved with the previous rank's halo (each shaped as in ``early``), from the gathered
+        ``packet``: the first ``K − 1`` tokens again, the others as ``early`` has them (no tap of theirs reaches the
+        halo), so the convolutions run over the whole slice once."""
         if not self.reach:
             return self.early
         count = len(self.inputs)
         halos = [from_previous_rank(last, self.shard) for last in gathered_packet[count:2 * count]]
-        return self.mixer.convolved(self.inputs, self.position_ids, halos)
+        first = self.mixer.convolved([t[:, :self.reach] for t in self.inputs], self.position_ids[:, :self.reach],
+                                     halos)
+        return [torch.cat([head, rest[:, self.reach:]], dim=1) for head, rest in zip(first, self.early)]
 
 
-def delta_rule_entering(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-                        position_ids: torch.Tensor, shard: SequenceShard, num_docs: int, *, chunk_size: int,
-                        convolutions: "SliceConvolutions | None" = None, transition: Callable = transition_of_tokens
+def transition_entering(k: torch.Tensor, v: torch.Tensor, riders: Sequence[torch.Tensor], position_ids: torch.Tensor,
+                        shard: SequenceShard, num_docs: int, *, chunk_size: int,
+                        transition: Callable = transition_of_tokens, convolutions: "SliceConvolutions | None" = None
                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """``states_entering_slice`` for the delta rule (``beta``, ``g`` rows ``[B, T, H]`` ride beside k and v): the
-    state per packed document ``[N, H, D, Dv]``, and the gathered shared tensors.
+    """``states_entering_slice`` for the delta rule and the DPLR rule (``riders``, rows ``[B, T, ...]``, ride beside k
+    and v: the delta rule's β and g, the DPLR rule's a, b and g): the state per packed document ``[N, H, D, Dv]``, and
+    the gathered shared tensors.
 
     What a slice hands on is the pair ``(S, M)``, the map ``S_in ↦ M S_in + S`` of its tail
     (``ops/delta_rule/state.py``), and pairs compose as maps. Only ``S`` enters the op: ``M`` of the empty state (the
-    identity) is never read, so both fills are 0. ``transition(k, v, beta, g, mask, chunk_size=…)`` makes the pair:
-    the delta rule's by default, a mixer's own for other transitions of this kind (``kda``'s, per-channel ``g``).
+    identity) is never read, so both fills are 0. ``transition(k, v, *riders, mask, chunk_size=…)`` makes the pair:
+    the delta rule's by default, a mixer's own for other transitions of this kind (``kda``'s, per-channel ``g``;
+    ``rwkv7``'s, ``ops/dplr/state.py``).
     """
 
-    def state_of(k, v, mask, beta, g):
-        return list(transition(k, v, beta, g, mask, chunk_size=chunk_size))
+    def state_of(k, v, mask, *riders):
+        return list(transition(k, v, *riders, mask, chunk_size=chunk_size))
 
-    riders = [beta, torch.zeros_like(beta) if g is None else g]
     (initial, _), shared = states_entering_slice(k, v, position_ids, shard, state_of=state_of,
                                                  combine=combine_transitions, empty=[0.0, 0.0], num_docs=num_docs,
                                                  convolutions=convolutions, riders=riders)

@@ -35,6 +35,9 @@ def apply_sequence_parallel(model: nn.Module, shard: SequenceShard | None, seq_l
     if shard is None:
         return
     for name, module in model.named_modules():
+        if getattr(getattr(module, "ffn", None), "shifts", False):  # a block's (RWKV's channel mixing)
+            raise ValueError(f"{name}: its feed-forward's token shift reads the token before a slice, which crosses no "
+                             "rank outside a mixer: model.ffn rwkv_channel_mix has no sequence-parallel form")
         if isinstance(module, Mixer):
             try:
                 module.check_sequence_parallel(shard.size, seq_len // shard.size)

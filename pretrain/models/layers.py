@@ -1,5 +1,5 @@
 """The parts of a transformer block that are neither the token mixer nor its norm (``pretrain.attention.norm``):
-the SwiGLU feed-forward, and the weight initialization both models share."""
+the feed-forwards (SwiGLU; RWKV's channel mixing), and the weight initialization both models share."""
 import math
 
 import torch
@@ -26,15 +26,18 @@ def init_weights(model: nn.Module, std: float, *, blocks: int) -> None:
                 nn.init.zeros_(module.bias)
 
 
-def swiglu_hidden(dim: int, ffn_hidden: int, multiple_of: int) -> int:
-    """``ffn_hidden``, or when 0 the LLaMA width: 8/3·dim (same parameters as a 4·dim MLP) rounded up."""
+def ffn_width(ffn: str, dim: int, ffn_hidden: int, multiple_of: int) -> int:
+    """``ffn_hidden``, or when 0 the paper's width, rounded up: the parameters of a 4·dim MLP either way, SwiGLU's
+    three matrices 8/3·dim wide (LLaMA's), RWKV's channel mixing's two 4·dim."""
     if ffn_hidden:
         return ffn_hidden
-    return multiple_of * math.ceil(8 * dim / 3 / multiple_of)
+    return multiple_of * math.ceil((8 * dim / 3 if ffn == "swiglu" else 4 * dim) / multiple_of)
 
 
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) ⊙ up(x))`` (Shazeer 2020)."""
+
+    shifts = False  # token-wise: reads no other token
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -48,3 +51,27 @@ class SwiGLU(nn.Module):
 
     def flops_per_token(self) -> float:
         return 3 * 2 * self.gate_proj.in_features * self.gate_proj.out_features
+
+
+class RWKVChannelMix(nn.Module):
+    """RWKV's channel mixing (RWKV-7, Peng et al. 2025, arXiv 2503.14456; docs/MIXERS.md#rwkv7):
+    ``down(relu(up(x + μ ⊙ (x_{t−1} − x)))²)``, ``up`` and ``down`` its ``W_k`` and ``W_v``.
+
+    Token-wise but for its token shift: ``forward(x, previous)`` takes the token before each one (zeros before a
+    document's first token), which the block makes (``shifts``)."""
+
+    shifts = True
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.shift_mix = nn.Parameter(torch.full((dim,), 0.5))  # μ per channel
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x, previous):
+        with scope(FFN):
+            return self.down_proj(F.relu(self.up_proj(x + self.shift_mix * (previous - x))).square())
+
+    def flops_per_token(self) -> float:
+        """The two matrices (the shift and the square: a few per channel, not counted, as SwiGLU's product)."""
+        return 2 * 2 * self.up_proj.in_features * self.up_proj.out_features

@@ -1,9 +1,10 @@
-"""Decoder-only causal LM: pre-norm blocks of (token mixer, SwiGLU), each mixer chosen by name from the registry.
+"""Decoder-only causal LM: pre-norm blocks of (token mixer, feed-forward), each mixer chosen by name from the registry.
 
 The model never names a mixer: ``model.mixer`` (or the per-layer ``model.layer_pattern``, repeated to
 ``n_layers``) picks registered classes, so a new mixer needs no change here.
 """
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention import build_mixer, mixer_options
@@ -11,10 +12,12 @@ from ..attention.norm import RMSNorm
 from ..config import ModelConfig
 from ..ops import cu_seqlens_from_position_ids
 from ..scopes import BLOCK, MIXER, scope
-from .layers import SwiGLU, init_weights, swiglu_hidden
+from .layers import RWKVChannelMix, SwiGLU, ffn_width, init_weights
 from .left_padded import prefill_left_padded
 from .lm_head import LMHead
 from .mini_sequence import sliced
+
+FFNS = {"swiglu": SwiGLU, "rwkv_channel_mix": RWKVChannelMix}  # model.ffn
 
 # Model-level keys handed to every mixer that declares an option of the same name (per-mixer options win).
 SHARED_MIXER_OPTIONS = ("rope_theta",)
@@ -41,15 +44,18 @@ class Block(nn.Module):
     """Pre-norm residual block: ``x + mixer(norm(x))``, then ``x + ffn(norm(x))``.
 
     ``mini_sequence`` > 0 runs the second half over slices of that many tokens, keeping only its input for
-    backward (``mini_sequence.py``); the mixer sees the whole row, as its op needs.
+    backward (``mini_sequence.py``); the mixer sees the whole row, as its op needs. A feed-forward with a token shift
+    (``ffn.shifts``) also reads the token before (zeros before a document's first), which the block hands it beside
+    each token, so that half stays token-wise; its decoding state is then ``(mixer state, the last token's input)``.
     """
 
-    def __init__(self, mixer: nn.Module, dim: int, ffn_hidden: int, norm_eps: float, mini_sequence: int = 0):
+    def __init__(self, mixer: nn.Module, dim: int, ffn_hidden: int, norm_eps: float, mini_sequence: int = 0,
+                 ffn: str = "swiglu"):
         super().__init__()
         self.mixer_norm = RMSNorm(dim, eps=norm_eps)
         self.mixer = mixer
         self.ffn_norm = RMSNorm(dim, eps=norm_eps)
-        self.ffn = SwiGLU(dim, ffn_hidden)
+        self.ffn = FFNS[ffn](dim, ffn_hidden)
         self.mini_sequence = mini_sequence
 
     def forward(self, x, cu_seqlens=None, position_ids=None):
@@ -57,21 +63,42 @@ class Block(nn.Module):
             normed = self.mixer_norm(x)
             with scope(MIXER):
                 mixed = self.mixer(normed, cu_seqlens=cu_seqlens, position_ids=position_ids)
-            return sliced(self._ffn_residual, x + mixed, self.mini_sequence)
+            return self._then_ffn(x + mixed, position_ids)
+
+    def _then_ffn(self, x, position_ids=None, last=None):
+        """``x + ffn(norm(x))`` of ``x [B, T, C]`` (of ``[B, C]`` with ``last``, the token before it, when decoding).
+        The token before each one: ``last`` or x's own, zeros where ``position_ids`` start a document (None: the
+        row is one document)."""
+        if not self.ffn.shifts:
+            return sliced(self._ffn_residual, x, self.mini_sequence)
+        if last is None:
+            last = F.pad(x[:, :-1], (0, 0, 1, 0))
+            if position_ids is not None:
+                last = last * (position_ids > 0)[..., None].to(x.dtype)
+        return sliced(self._ffn_residual, torch.cat([x, last], dim=-1), self.mini_sequence)
 
     def _ffn_residual(self, x):
-        return x + self.ffn(self.ffn_norm(x))
+        """Token-wise: ``x [..., C]``, or ``[..., 2C]`` for a token-shifted ffn (each token beside the one before)."""
+        if not self.ffn.shifts:
+            return x + self.ffn(self.ffn_norm(x))
+        x, previous = x.chunk(2, dim=-1)
+        return x + self.ffn(self.ffn_norm(x), self.ffn_norm(previous))  # the norm keeps zeros zero
 
     def step(self, x_t, state=None):
-        """One token ``[B, C]`` through the block with the mixer's decoding ``state`` → ``(y_t, state)``."""
-        return self._then_ffn(x_t, *self.mixer.step(self.mixer_norm(x_t), state))
+        """One token ``[B, C]`` through the block with its decoding ``state`` → ``(y_t, state)``."""
+        if not self.ffn.shifts:
+            mixed, state = self.mixer.step(self.mixer_norm(x_t), state)
+            return self._then_ffn(x_t + mixed), state
+        mixer_state, last = state if state is not None else (None, torch.zeros_like(x_t))
+        mixed, mixer_state = self.mixer.step(self.mixer_norm(x_t), mixer_state)
+        return self._then_ffn(x_t + mixed, last=last), (mixer_state, x_t + mixed)
 
     def prefill(self, x):
-        """A whole prompt ``[B, T, C]`` → ``(y, state)``, the mixer's state for ``step`` to go on from."""
-        return self._then_ffn(x, *self.mixer.prefill(self.mixer_norm(x)))
-
-    def _then_ffn(self, x, mixed, state):
-        return sliced(self._ffn_residual, x + mixed, self.mini_sequence), state
+        """A whole prompt ``[B, T, C]`` → ``(y, state)``, the state for ``step`` to go on from."""
+        mixed, state = self.mixer.prefill(self.mixer_norm(x))
+        if self.ffn.shifts:
+            state = (state, x[:, -1] + mixed[:, -1])
+        return self._then_ffn(x + mixed), state
 
 
 class CausalLM(nn.Module):
@@ -85,13 +112,13 @@ class CausalLM(nn.Module):
                 f"model.vocab_size must be resolved (> 0), got {vocab}: set it, or point data.tokenizer at an "
                 "existing sentencepiece model and load the config with pretrain.tasks.config_checks.load_run_config"
             )
-        hidden = swiglu_hidden(dim, model_cfg.ffn_hidden, model_cfg.multiple_of)
+        hidden = ffn_width(model_cfg.ffn, dim, model_cfg.ffn_hidden, model_cfg.multiple_of)
         self.embed = nn.Embedding(vocab, dim)
         names = layer_mixers(model_cfg)
         self.layers = nn.ModuleList(
             Block(build_mixer(name, dim, model_cfg.n_heads, causal=True,
                               options=mixer_kwargs(model_cfg, name, layer_index=index)),
-                  dim, hidden, model_cfg.norm_eps, model_cfg.mini_sequence)
+                  dim, hidden, model_cfg.norm_eps, model_cfg.mini_sequence, model_cfg.ffn)
             for index, name in enumerate(names)
         )
         self.norm = RMSNorm(dim, eps=model_cfg.norm_eps)
@@ -168,12 +195,13 @@ class CausalLM(nn.Module):
 
     def flops_by_part(self, seq_len: int) -> dict[str, float]:
         """``flops_per_token`` by part: the layers of each mixer class together (its ``flops_per_token`` says what
-        it counts), the feed-forwards, the LM head. The embedding is a lookup: no FLOPs."""
+        it counts), the feed-forwards (by class too), the LM head. The embedding is a lookup: no FLOPs."""
         parts: dict[str, float] = {}
         for block in self.layers:
-            name = type(block.mixer).__name__
-            parts[name] = parts.get(name, 0.0) + block.mixer.flops_per_token(seq_len)
-        parts["SwiGLU"] = sum(block.ffn.flops_per_token() for block in self.layers)
+            for module, flops in ((block.mixer, block.mixer.flops_per_token(seq_len)),
+                                  (block.ffn, block.ffn.flops_per_token())):
+                name = type(module).__name__
+                parts[name] = parts.get(name, 0.0) + flops
         parts["LMHead"] = 2.0 * self.lm_head.in_features * self.lm_head.out_features
         return parts
 

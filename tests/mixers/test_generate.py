@@ -14,11 +14,11 @@ def generate_tool(load_tool):
     return load_tool("generate")
 
 
-def random_lm(layer_pattern, seed=0):
+def random_lm(layer_pattern, seed=0, ffn="swiglu"):
     """A tiny fp32 CausalLM with weights well away from zero, so logits spread and argmax has no near-ties."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, layer_pattern=list(layer_pattern),
-                      mixer_options={"aft_local": {"window": 3, "chunk_size": 4}})
+    cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, layer_pattern=list(layer_pattern), ffn=ffn,
+                      mixer_options={"aft_local": {"window": 3, "chunk_size": 4}, "rwkv7": {"chunk_size": 4}})
     model = build_lm(cfg).eval()
     with torch.no_grad():
         for param in model.parameters():
@@ -28,13 +28,16 @@ def random_lm(layer_pattern, seed=0):
 
 
 PATTERNS = [["softmax"], ["linear"], ["linear", "softmax"], ["aft_local", "inline"]]
+# RWKV's channel mixing as the feed-forward: its token shift's last token rides in each block's decoding state
+CHANNEL_MIX = [(["rwkv7"], "rwkv_channel_mix"), (["linear", "softmax"], "rwkv_channel_mix")]
 
 
-@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: "+".join(p))
+@pytest.mark.parametrize("pattern,ffn", [(p, "swiglu") for p in PATTERNS] + CHANNEL_MIX,
+                         ids=lambda p: "+".join(p) if isinstance(p, list) else p)
 @pytest.mark.parametrize("prompt", [0, 9], ids=["step-only", "prefill-9"])
-def test_decoding_logits_equal_the_parallel_forward(pattern, prompt):
+def test_decoding_logits_equal_the_parallel_forward(pattern, ffn, prompt):
     """Every token through ``step``, or the first ``prompt`` through ``prefill`` and the rest through ``step``."""
-    model = random_lm(pattern)
+    model = random_lm(pattern, ffn=ffn)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         parallel = model(ids)

@@ -51,6 +51,10 @@ CASES = {
     "gated_deltanet_no_conv": Case("gated_deltanet", {"chunk_size": 16, "short_conv": 0}),
     "kda": Case("kda", {"chunk_size": 16}),
     "kda_no_conv": Case("kda", {"chunk_size": 16, "short_conv": 0}),
+    # the token shift reads the previous slice's last input x (one token; K with short_conv's K − 1 behind it)
+    "rwkv7": Case("rwkv7", {"chunk_size": 16}),
+    "rwkv7_short_conv": Case("rwkv7", {"chunk_size": 16, "short_conv": 4, "decay_rank": 3, "rate_rank": 5,
+                                       "gate_rank": 7}),
 }
 
 
@@ -59,7 +63,7 @@ CASES = {
 # short convolutions' halo).
 MODEL_LAYERS = ["linear", "inline", "efficient", "aft_local", "softmax", "aft_simple", "cosine", "retnet",
                 "mamba2",
-                "gated_deltanet", "kda"]
+                "gated_deltanet", "kda", "rwkv7"]
 
 
 def run_model(shard: SequenceShard | None, *, mini_sequence: int = 0, checkpointing: bool = False
@@ -80,7 +84,7 @@ def run_model(shard: SequenceShard | None, *, mini_sequence: int = 0, checkpoint
                              "model.mixer_options.retnet.chunk_size=16", "model.mixer_options.mamba2.chunk_size=16",
                              "model.mixer_options.mamba2.state_size=8", f"model.mini_sequence={mini_sequence}",
                              "model.mixer_options.gated_deltanet.chunk_size=16",
-                             "model.mixer_options.kda.chunk_size=16"])
+                             "model.mixer_options.kda.chunk_size=16", "model.mixer_options.rwkv7.chunk_size=16"])
     torch.manual_seed(0)
     model = build_model(cfg).double()
     for parameter in model.parameters():

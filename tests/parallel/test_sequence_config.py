@@ -35,6 +35,9 @@ def config(*overrides):
       "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the 7 tokens before it that Retention"),
     (["model.mixer=mamba2", "model.mixer_options.mamba2.conv_size=8", "train.seq_len=8",
       "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than mamba2's convolution reach (7 tokens)"),
+    (["model.mixer=rwkv7", "model.mixer_options.rwkv7.short_conv=5", "train.seq_len=8",
+      "parallel.sequence_parallel=2"], "a slice of 4 tokens is shorter than the 5 tokens before it that rwkv7 reads "
+                                       "(1 for its token shift, 4 for short_conv)"),
     (["model.layer_pattern=[linear,aft_full]", "model.mixer_options.aft_full.max_seq_len=64",
       "parallel.sequence_parallel=2"], "mixer 'aft_full' cannot split rows into 2 slices"),
 ])
