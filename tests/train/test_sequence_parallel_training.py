@@ -1,7 +1,7 @@
 """Training with each row split across ranks equals training on whole rows: real DeepSpeed runs on gloo ranks.
 
-A hybrid LM (a linear layer and a softmax layer, so both the state exchange and Ulysses run; Gated DeltaNet's and
-KDA's 3:1 hybrids) trains for a few
+A hybrid LM (a linear layer and a softmax layer, so both the state exchange and Ulysses run; Gated DeltaNet's 3:1
+hybrid; KDA and RWKV-7 with softmax) trains for a few
 steps of two accumulated micro-batches. With ``parallel.sequence_parallel=2`` on 2 ranks the pair reads the rows
 one rank reads alone, so the global batch is the same: losses, gradient norms, validation losses and final weights
 must match one rank's to 1e-5 (fp32; the sums run in another order), under ZeRO 0, 2 and 3 (with activation
@@ -30,9 +30,10 @@ LAYERS = {"hybrid": {"model__layer_pattern": "[linear,softmax]"},
           # Gated DeltaNet's 3:1 hybrid: the delta rule's state maps and its short convolutions' edges cross ranks
           "gdn_hybrid": {"model__layer_pattern": "[gated_deltanet,gated_deltanet,gated_deltanet,softmax]",
                          "model__n_layers": 4, "model__mixer_options__gated_deltanet__chunk_size": 16},
-          # Kimi Linear's 3:1 hybrid: KDA's per-channel transitions as maps across ranks
-          "kda_hybrid": {"model__layer_pattern": "[kda,kda,kda,softmax]", "model__n_layers": 4,
-                         "model__mixer_options__kda__chunk_size": 16}}
+          # the diagonal-plus-low-rank mixers in a hybrid: KDA's per-channel transitions and RWKV-7's (its token
+          # shift's last input too) as maps across ranks
+          "dplr_hybrid": {"model__layer_pattern": "[kda,rwkv7,kda,softmax]", "model__n_layers": 4,
+                          "model__mixer_options__kda__chunk_size": 16, "model__mixer_options__rwkv7__chunk_size": 16}}
 
 
 def overrides(lm_data, run_dir, *, stage=0, sp=1, layers="hybrid", **extra):
@@ -95,9 +96,10 @@ def test_the_gated_deltanet_hybrid_on_two_sequence_ranks_trains_as_one_rank(runs
     assert_same_training(runs(2, 2, stage, layers="gdn_hybrid"), runs(1, 1, layers="gdn_hybrid"), stage)
 
 
-def test_the_kda_hybrid_on_two_sequence_ranks_trains_as_one_rank(runs):
-    """KDA's diagonal-plus-low-rank state maps and convolution edges cross the slice boundary, at ZeRO 2."""
-    assert_same_training(runs(2, 2, 2, layers="kda_hybrid"), runs(1, 1, layers="kda_hybrid"), 2)
+def test_the_dplr_hybrid_on_two_sequence_ranks_trains_as_one_rank(runs):
+    """KDA's and RWKV-7's diagonal-plus-low-rank state maps, convolution edges and RWKV-7's token shift cross the
+    slice boundary, at ZeRO 2."""
+    assert_same_training(runs(2, 2, 2, layers="dplr_hybrid"), runs(1, 1, layers="dplr_hybrid"), 2)
 
 
 def test_mini_sequence_blocks_on_two_sequence_ranks_at_zero_3_train_as_one_rank(runs):
