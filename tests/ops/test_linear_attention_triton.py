@@ -146,3 +146,16 @@ def test_refuses_a_sequence_too_long_for_32_bit_offsets():
     q = torch.empty(1, 2**20, 32, 128, device="meta")
     with pytest.raises(ValueError, match="32 bits"):
         linear_attention(q, q, q, impl="triton")
+
+
+def test_document_lengths_are_read_only_when_the_row_is_too_long_for_32_bits():
+    """A packed row's documents are no longer than the row, so their lengths are read (a host sync per layer on a
+    GPU) only when the row itself would overflow; then they decide."""
+    from pretrain.ops.linear_attention.triton import _Launch
+
+    short = torch.empty(1, 1024, 2, 16, device="meta")
+    _Launch(short, short, torch.tensor([0, 512, 1024], device="meta"), 64)  # meta offsets: reading them would raise
+    long = torch.empty(1, 2**20, 32, 128, device="meta")
+    _Launch(long, long, torch.arange(0, 2**20 + 1, 2**10), 64)  # documents of 1,024 tokens fit
+    with pytest.raises(ValueError, match="32 bits"):
+        _Launch(long, long, torch.tensor([0, 2**20]), 64)

@@ -358,7 +358,9 @@ class _Launch:
                              f"got q/k {self.DK}, v {self.DV}")
         self.cu_seqlens = cu_seqlens
         self.N = batch if cu_seqlens is None else cu_seqlens.numel() - 1
-        longest = self.T if cu_seqlens is None else int(cu_seqlens.diff().max())
+        longest = self.T  # a packed row's documents are no longer: their lengths are read (a host sync) only if T is
+        if cu_seqlens is not None and longest * self.H * max(self.DK, self.DV) >= 2**31:
+            longest = int(cu_seqlens.diff().max())
         if longest * self.H * max(self.DK, self.DV) >= 2**31:
             raise ValueError(f"impl='triton' indexes within a sequence in 32 bits: a sequence of {longest} tokens "
                              f"× {self.H} heads × {max(self.DK, self.DV)} channels is too long; split it and "
