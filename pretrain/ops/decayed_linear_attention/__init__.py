@@ -136,9 +136,11 @@ def _checked_decay(g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"g (the log-decay) must be [H] = [{heads}] or [B, T, H] = [{batch}, {length}, {heads}]; "
                          f"got {tuple(g.shape)}")
     values = g.detach()  # a check: no graph (isfinite's abs would record one, saving g)
-    if not bool(((values <= 0) & (values > float("-inf"))).all()):  # one read on the host (a sync on a GPU), not two
-        raise ValueError("g is a log-decay: every value must be finite and ≤ 0 (exp(g) in (0, 1]); got "
-                         f"min {values.min().item():.3g}, max {values.max().item():.3g}")
+    message = "g is a log-decay: every value must be finite and ≤ 0 (exp(g) in (0, 1])"
+    try:  # on CPU at once; on a GPU on the device, which fails a later launch: reading it here would wait per layer
+        torch._assert_async(((values <= 0) & (values > float("-inf"))).all(), message)
+    except RuntimeError as err:
+        raise ValueError(f"{message}; got min {values.min().item():.3g}, max {values.max().item():.3g}") from err
     return g.expand(batch, length, heads)
 
 
