@@ -73,6 +73,9 @@ stage profile_gdn_after 180 profile gdn_after configs/lm/gdn_hybrid_1b.yaml trai
 stage bench_ops 150 python3 tools/bench_triton_gpu.py --bench 1024,4096,16384 \
     --only linear_triton,decay_triton,gated_delta_triton,sdpa_flash,decay_chunk,gated_delta_chunk \
     --out "$RES/gpu_bench_ops.json"
+# issue 45: segmented linear-attention kernels at 32k, few sequences × heads (B=1, H=16) against whole ones, and the
+# rule's other side (B=8, H=32 forced into segments); notes_triton.md "Segments" has the predictions
+stage segments 90 python3 tools/bench_triton_gpu.py --segments --out "$RES/gpu_segments.json"
 stage bench_softmax 60 python3 tools/bench_softmax_packed.py --device cuda --dtype bf16 --batch 8 \
     --seq-len 4096 --heads 16 --head-dim 64 --impls sdpa,varlen,masked
 

@@ -225,4 +225,7 @@ def test_segment_rule():
     few = launch(1, 16, 32768)
     assert (few.segments, few.segment_len, few.rows) == (16, 32 * 64, 16 * 16)
     assert launch(1, 16, 512).segments == 1
-    assert kernels.segment_chunks(512, 8 * 32 * 2 * 512, 132) is None
+    # packed: one document of 30k tokens (469 chunks) and 100 of 20 would idle the GPU, but their empty segments
+    # would fill it (a grid of 100·16·2 programs per segment): left whole
+    assert kernels.segment_chunks(469, 16 * 2 * (469 + 100), 101 * 16 * 2, 132) is None
+    assert kernels.segment_chunks(469, 16 * 2 * (469 + 2), 3 * 16 * 2, 132) == 94  # 3 documents: 5 segments

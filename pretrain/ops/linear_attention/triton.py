@@ -3,7 +3,8 @@
 Each program owns one (sequence, head, block of channels) and walks the chunks of its sequence in order,
 carrying the fp32 state ``S = Σ kᵀv`` (and ``z = Σ k``, ``u = Σ v``, ``n`` = tokens seen) in registers: per
 chunk a C×C masked product for the tokens inside it and a product with the state for those before it. Nothing
-of size T/C × d × dv is ever stored, so memory stays O(T·d). Packed documents (``cu_seqlens``) are sequences
+of size T/C × d × dv is ever stored (segments, below, store a state each: about two per resident program), so
+memory stays O(T·d). Packed documents (``cu_seqlens``) are sequences
 of their own: every program starts its chunks at its document's first token.
 
 Backward. Divisive ``o = s·num`` with ``s = 1/den``; subtractive ``o = s·num + (1 − s·a) s·u`` with ``s = 1/n``,
@@ -20,6 +21,12 @@ part from the row sums of ``tril(dO vᵀ)``, and the dv sweep adds v's own share
 
 Non-causal attention runs the same kernels twice: once to sum the whole sequence into a state, once to apply
 that state to every token (``INTRA=False``: no in-chunk term, no running sums).
+
+Segments. With few sequences × heads those chains leave SMs idle, so a long sequence is cut into segments of whole
+chunks from its first token (``_Launch`` chooses by ``segment_chunks``): the same kernels first sum each segment's
+own state (S has no decay, so states add), a cumulative sum in PyTorch (``_combine``) gives each segment the state
+it starts from (forward: the segments before it; dk/dv: the ones after it), and the main pass runs one program per
+(sequence, head, segment, channel block). A segment never holds two documents, so no state crosses into the next.
 
 The same kernels run on CPU under ``TRITON_INTERPRET=1``; the tests hold them to the naive reference there.
 """
@@ -371,15 +378,17 @@ MIN_SEGMENT_CHUNKS = 8  # a segment's state (d × dv fp32, written, summed, read
 DEFAULT_MULTIPROCESSORS = 132  # an H200's, where no CUDA device says (the interpreter)
 
 
-def segment_chunks(longest, steps, multiprocessors):
+def segment_chunks(longest, steps, programs, multiprocessors):
     """Chunks per segment, or None to keep one segment per sequence. ``longest``: the chunks of the longest
-    sequence, the longest chain a program walks; ``steps``: chunk steps over all programs. Split only when that
-    chain is over twice each resident program's even share of the steps (the GPU would idle for over half the
-    run), into segments of half that share (two waves), and not under MIN_SEGMENT_CHUNKS."""
-    share = steps / (PROGRAMS_PER_SM * multiprocessors)
-    if longest <= 2 * share:
+    sequence, the longest chain a program walks; ``steps``: chunk steps over all ``programs`` (one per sequence,
+    head and channel block). Split only when that chain is over twice each resident program's even share of the
+    steps (the GPU would idle for over half the run; with equal lengths: fewer programs than SMs), into as many
+    segments as keep the grid within two waves, the empty segments of short documents included (which also
+    bounds the segments' states: one per program), each at least MIN_SEGMENT_CHUNKS long."""
+    resident = PROGRAMS_PER_SM * multiprocessors
+    if longest <= 2 * steps / resident:
         return None
-    size = max(MIN_SEGMENT_CHUNKS, math.ceil(share / 2))
+    size = max(MIN_SEGMENT_CHUNKS, math.ceil(longest / max(1, 2 * resident // programs)))
     return size if size < longest else None
 
 
@@ -426,7 +435,8 @@ class _Launch:
         longest_chunks = triton.cdiv(longest, self.BT)
         size = SEGMENT_CHUNKS
         if size is None:
-            size = segment_chunks(longest_chunks, chunks * self.H * max(self.NK, self.NV), _multiprocessors(q.device))
+            blocks = self.H * max(self.NK, self.NV)
+            size = segment_chunks(longest_chunks, chunks * blocks, self.N * blocks, _multiprocessors(q.device))
         self.segments = triton.cdiv(longest_chunks, size) if size else 1
         self.segment_len = triton.cdiv(longest_chunks, self.segments) * self.BT  # evened out; whole chunks
         self.rows = self.N * self.H * self.segments
