@@ -24,7 +24,7 @@ that state to every token (``INTRA=False``: no in-chunk term, no running sums).
 
 Segments. With few sequences × heads those chains leave SMs idle, so a long sequence is cut into segments of whole
 chunks from its first token (``_Launch`` chooses by ``segment_chunks``): the same kernels first sum each segment's
-own state (S has no decay, so states add), a cumulative sum in PyTorch (``_combine``) gives each segment the state
+own state (S has no decay, so states add), a running sum over the segments (``_combine``) gives each segment the state
 it starts from (forward: the segments before it; dk/dv: the ones after it), and the main pass runs one program per
 (sequence, head, segment, channel block). A segment never holds two documents, so no state crosses into the next.
 
@@ -358,6 +358,30 @@ def _backward_dk_dv_kernel(
             tl.store(dz_out + row * DK + ck, dz, mask=mk)
 
 
+@triton.jit
+def _combine_kernel(parts, edge, starts, totals, SEGMENTS, WIDTH, HAS_EDGE: tl.constexpr, ORDER: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """For one (sequence, head) and a block of one state field's elements: the state each segment starts from and
+    the total, a running fp32 sum over the sequence's segments from ``edge`` (the state at the sequence's edge).
+    ORDER 0: a segment starts from the ones before it; 1 (the gradient sweeps): after it; 2 (global): all."""
+    i_nh, i_w = tl.program_id(0), tl.program_id(1)
+    cols = i_w * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < WIDTH
+    rows = i_nh.to(tl.int64) * SEGMENTS * WIDTH + cols
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_EDGE:
+        acc += tl.load(edge + i_nh.to(tl.int64) * WIDTH + cols, mask=mask, other=0.0)
+    for i in range(SEGMENTS):
+        at = rows + (SEGMENTS - 1 - i if ORDER == 1 else i) * WIDTH
+        if ORDER != 2:
+            tl.store(starts + at, acc, mask=mask)
+        acc += tl.load(parts + at, mask=mask, other=0.0)
+    tl.store(totals + i_nh.to(tl.int64) * WIDTH + cols, acc, mask=mask)
+    if ORDER == 2:
+        for i in range(SEGMENTS):
+            tl.store(starts + rows + i * WIDTH, acc, mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Host side: shapes, launches, and the autograd function that ties the sweeps together.
 
@@ -370,7 +394,7 @@ CONFIG = dict(block=64, num_warps=4, num_stages=2)
 # Segments (flash-linear-attention's split of chunk_fwd_h). One program per (sequence, head, channel block) walks
 # its sequence's chunks in order; with few sequences × heads most of the GPU idles while those chains run. Then each
 # sequence is cut into segments: a first pass sums each segment's own state (Σ kᵀv: no decay, so states add), a
-# cumulative sum in PyTorch gives each segment the state it starts from, and the main pass runs one program per
+# running sum over the segments gives each segment the state it starts from, and the main pass runs one program per
 # segment. The first pass reads k and v once more (≈ half the forward's bytes): worth it only with idle SMs.
 SEGMENT_CHUNKS = None  # chunks per segment: None chooses by `segment_chunks`; 0 never segments; n > 0 forces n
 PROGRAMS_PER_SM = 2  # resident at once: 4 warps of ≈ 255 registers each take half an SM's register file
@@ -461,30 +485,30 @@ class _Launch:
                      for f in "Szun")
 
 
+COMBINE_ORDERS = {"forward": 0, "reverse": 1, "whole": 2}
+
+
 def _combine(parts, base, order):
     """Each segment's starting state and the sequence's total, from every segment's own sum (``parts``, fields
     [N, H, segments, ...], None where unused) and the state at the sequence's edge (``base``, [N, H, ...]; None:
     zero). ``order``: "forward", a segment starts from the ones before it; "reverse" (the gradient sweeps), from
     the ones after it; "whole" (global attention), from all of them. Segments are per document, so these sums
-    never cross from one document into the next."""
+    never cross from one document into the next. One small launch per field."""
     starts, totals = [], []
     for i, part in enumerate(parts):
         if part is None:
             starts.append(None)
             totals.append(None)
             continue
-        edge = torch.zeros_like(part[:, :, 0]) if base is None else base[i]
-        if order == "whole":
-            total = part.sum(2) + edge
-            start = total.unsqueeze(2).expand_as(part)
-        else:
-            reverse = order == "reverse"
-            sums = part.flip(2).cumsum(2).flip(2) if reverse else part.cumsum(2)
-            nothing = torch.zeros_like(part[:, :, :1])
-            before = torch.cat([sums[:, :, 1:], nothing] if reverse else [nothing, sums[:, :, :-1]], 2)
-            start = before + edge.unsqueeze(2)
-            total = sums[:, :, 0 if reverse else -1] + edge
-        starts.append(start.contiguous())
+        num, heads, segments, *shape = part.shape
+        width = math.prod(shape)
+        edge = None if base is None else base[i]
+        start, total = torch.empty_like(part), part.new_empty(num, heads, *shape)
+        block = min(1024, max(16, triton.next_power_of_2(width)))
+        _combine_kernel[(num * heads, triton.cdiv(width, block))](
+            part, part if edge is None else edge, start, total, segments, width, HAS_EDGE=edge is not None,
+            ORDER=COMBINE_ORDERS[order], BLOCK=block)
+        starts.append(start)
         totals.append(total)
     return tuple(starts), tuple(totals)
 
