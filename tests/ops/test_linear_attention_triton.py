@@ -214,9 +214,11 @@ def test_gradients_when_a_loss_reaches_only_o_or_only_the_final_state():
             assert_close(got, want, 1e-5, name)
 
 
-def test_segment_rule():
+def test_segment_rule(monkeypatch):
     """Segments only where the GPU would idle: B=8, H=32, D=128 at 32k fills an H200 (512 programs, 2 resident per
-    SM); B=1, H=16 (32 programs) gets 16 segments of 32 chunks (512 programs); short sequences stay whole."""
+    SM at 4 warps); B=1, H=16 (32 programs) gets 16 segments of 32 chunks (512 programs); short sequences stay
+    whole."""
+    monkeypatch.setitem(kernels.CONFIG, "num_warps", 4)
     def launch(batch, heads, length):
         q = torch.empty(batch, length, heads, 128, device="meta")
         return kernels._Launch(q, q, None, 64)

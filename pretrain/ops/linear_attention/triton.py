@@ -397,7 +397,7 @@ CONFIG = dict(block=64, num_warps=4, num_stages=2)
 # running sum over the segments gives each segment the state it starts from, and the main pass runs one program per
 # segment. The first pass reads k and v once more (≈ half the forward's bytes): worth it only with idle SMs.
 SEGMENT_CHUNKS = None  # chunks per segment: None chooses by `segment_chunks`; 0 never segments; n > 0 forces n
-PROGRAMS_PER_SM = 2  # resident at once: 4 warps of ≈ 255 registers each take half an SM's register file
+WARPS_PER_SM = 8  # resident at once: at 255 registers a thread (the resource report) 8 warps fill 65,536
 MIN_SEGMENT_CHUNKS = 8  # a segment's state (d × dv fp32, written, summed, read) against its tokens' bytes
 DEFAULT_MULTIPROCESSORS = 132  # an H200's, where no CUDA device says (the interpreter)
 
@@ -409,7 +409,7 @@ def segment_chunks(longest, steps, programs, multiprocessors):
     steps (the GPU would idle for over half the run; with equal lengths: fewer programs than SMs), into as many
     segments as keep the grid within two waves, the empty segments of short documents included (which also
     bounds the segments' states: one per program), each at least MIN_SEGMENT_CHUNKS long."""
-    resident = PROGRAMS_PER_SM * multiprocessors
+    resident = max(1, WARPS_PER_SM // CONFIG["num_warps"]) * multiprocessors
     if longest <= 2 * steps / resident:
         return None
     size = max(MIN_SEGMENT_CHUNKS, math.ceil(longest / max(1, 2 * resident // programs)))
@@ -443,8 +443,8 @@ class _Launch:
             longest, chunks = self.T, batch * triton.cdiv(self.T, self.BT)
         else:  # one host sync for both
             lengths = cu_seqlens.diff()
-            longest, chunks = torch.stack([lengths.max(), (lengths + self.BT - 1).div(self.BT, rounding_mode="floor")
-                                           .sum()]).tolist()
+            each = (lengths + self.BT - 1).div(self.BT, rounding_mode="floor")
+            longest, chunks = torch.stack([lengths.max(), each.sum()]).tolist()
         if longest * self.H * max(self.DK, self.DV) >= 2**31:
             raise ValueError(f"impl='triton' indexes within a sequence in 32 bits: a sequence of {longest} tokens "
                              f"× {self.H} heads × {max(self.DK, self.DV)} channels is too long; split it and "
