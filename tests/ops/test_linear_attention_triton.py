@@ -158,10 +158,11 @@ def test_refuses_a_sequence_too_long_for_32_bit_offsets():
         linear_attention(q, q, q, impl="triton")
 
 
-# Segments: forced to 2 chunks of 16 here (the rule splits only long sequences on a large grid). The documents:
-# one token; 70 tokens over three segments (32, 32, 6: T not a multiple of the chunk, the third segment partial);
-# one token, starting where the 70's third segment would end; 24; 32, exactly one segment; 5. Short documents
-# leave their later segments empty, which must add nothing and write nothing.
+# Segments: forced to 2 chunks of 16 here (the rule splits only long sequences on a large grid). They count from
+# each document's first token, so every document starts a segment and none holds two. The documents: one token;
+# 70 tokens over three segments (32, 32, 6: T not a multiple of the chunk, the third segment partial); one token;
+# 24; 32, exactly one segment, from token 96 of the row (a multiple of 32 there too); 5. Short documents leave
+# their later segments empty, which must add nothing and write nothing.
 SEGMENTED_DOCUMENTS = [0, 1, 71, 72, 96, 128, 133]
 
 
@@ -175,7 +176,7 @@ def two_chunk_segments(monkeypatch):
     *((n, c, True) for n in NORMALIZATIONS for c in (True, False)), ("subtractive", True, False),
 ])
 def test_segments_match_naive_fp32(normalize, causal, packed):
-    """Sequences cut into segments whose states add up (a first pass, a cumulative sum, the main pass, for the
+    """Sequences cut into segments whose states add up (a first pass, a running sum, the main pass, for the
     forward and for the reverse sweeps of dk, dv) give the unsegmented results: every output, state and gradient
     within 1e-5 of fp64 naive, packed documents straddling segments, one-token documents, states in and out."""
     seed = 40 + 2 * NORMALIZATIONS.index(normalize) + causal
@@ -219,6 +220,7 @@ def test_segment_rule(monkeypatch):
     SM at 4 warps); B=1, H=16 (32 programs) gets 16 segments of 32 chunks (512 programs); short sequences stay
     whole."""
     monkeypatch.setitem(kernels.CONFIG, "num_warps", 4)
+
     def launch(batch, heads, length):
         q = torch.empty(batch, length, heads, 128, device="meta")
         return kernels._Launch(q, q, None, 64)
