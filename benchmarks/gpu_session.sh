@@ -75,6 +75,9 @@ stage kernel_tests 120 $PYTEST --timeout=100 tests/ops/test_linear_attention_tri
 # 4. The op table with the 4-warp linear kernel, at 32k too (issue 45: >= 50 % of the copy ceiling there)
 stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \
     --only linear_triton,decay_triton,gated_delta_triton,sdpa_flash --out "$RES/gpu_bench_ops.json"
+# issue 45: segmented linear-attention kernels at 32k, few sequences × heads (B=1, H=16) against whole ones, and the
+# rule's other side (B=8, H=32 forced into segments); notes_triton.md "Segments" has the predictions
+stage segments 90 python3 tools/bench_triton_gpu.py --segments --out "$RES/gpu_segments.json"
 stage sweep 150 python3 tools/bench_triton_gpu.py --sweep --out "$RES/gpu_sweep.json"
 
 # Triton's and inductor's caches, in parts under the 16 MiB a returned file may have (the last one was 49 MB)

@@ -281,11 +281,47 @@ def sweep(results, T=8192, B=8, H=32, D=128):
     kernels.CONFIG.update(default)
 
 
+def segments(results, T=32768, D=128):
+    """Segmented kernels (issue 45) at long T: B=1, H=16 (32 programs per kernel: the rule cuts 16 segments of 32
+    chunks) by the rule and kept whole; B=8, H=32 (512 programs: left whole) by the rule and forced into segments of
+    32 chunks. Forward and forward+backward, and how far the segmented results are from the whole ones."""
+    rows = results.setdefault("segments", [])
+    default = kernels.SEGMENT_CHUNKS
+    try:
+        for B, H, other in ((1, 16, 0), (8, 32, 32)):
+            shape = torch.empty(1, device=DEV).expand(B, T, H, D)  # the geometry reads only shape and device
+            chosen = kernels._Launch(shape, shape, None, 64)
+            log(f"segments B={B} H={H} T={T}: the rule cuts {chosen.segments} of {chosen.segment_len} tokens")
+            outs = {}
+            for forced in (None, other):
+                kernels.SEGMENT_CHUNKS = forced
+                setup = make_ops(B, T, H, D)["linear_triton"]
+                r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
+                rows.append(dict(B=B, H=H, T=T, D=D, segment_chunks=forced, rule_segments=chosen.segments,
+                                 fwd=r["fwd"].get("ms"), fwdbwd=r["fwd+bwd"].get("ms"),
+                                 error=r["fwd"].get("error") or r["fwd+bwd"].get("error")))
+                log(f"segments B={B} H={H} SEGMENT_CHUNKS={forced}: fwd {r['fwd'].get('ms')} ms, "
+                    f"fwd+bwd {r['fwd+bwd'].get('ms')} ms {rows[-1]['error'] or ''}")
+                torch.manual_seed(0)
+                q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+                v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
+                o = linear_attention(q, k, v, normalize="none", impl="triton")
+                outs[forced] = (o, *torch.autograd.grad(o, (q, k, v), torch.ones_like(o)))
+            errs = [rel(a, b) for a, b in zip(outs[other], outs[None])]
+            rows.append(dict(B=B, H=H, T=T, D=D, differences=errs))
+            log(f"segments B={B} H={H}: SEGMENT_CHUNKS={other} against the rule, o dq dk dv: "
+                + " ".join(f"{e:.1e}" for e in errs))
+            del outs
+    finally:
+        kernels.SEGMENT_CHUNKS = default
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--check", action="store_true", help="correctness of ours on CUDA against fp64 naive")
     p.add_argument("--ceilings", action="store_true", help="copy bandwidth and bf16 matmul rate")
     p.add_argument("--sweep", action="store_true", help="launch settings of our kernels at T=8k")
+    p.add_argument("--segments", action="store_true", help="segmented kernels against whole ones at T=32k")
     p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
     p.add_argument("--only", default="", help="comma-separated op names to bench")
     p.add_argument("--out", default="gpu_results.json")
@@ -312,6 +348,8 @@ def main():
             ceilings(results)
         if a.sweep:
             sweep(results)
+        if a.segments:
+            segments(results)
         if a.bench:
             bench(results, [int(t) for t in a.bench.split(",")], only=set(filter(None, a.only.split(","))))
     finally:
@@ -321,6 +359,8 @@ def main():
 
 def table(results):
     log("\n== summary ==")
+    for row in results.get("segments", []):
+        log(f"segments {row}")
     for row in results.get("sweep", {}).get("rows", []):
         log(f"sweep {row.get('op', 'linear_triton')} block={row['block']} w={row['num_warps']} "
             f"s={row['num_stages']} C={row['chunk']}: "

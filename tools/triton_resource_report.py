@@ -34,7 +34,7 @@ def signature(fn, dtype, constexprs, in_dtype):
     for name in fn.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
-        elif name == "T":
+        elif name in ("T", "SEGMENTS", "SEGMENT_LEN"):
             types[name] = "i32"
         elif name == "block_stride":
             types[name] = "i64"
@@ -84,6 +84,8 @@ def main():
     p.add_argument("--normalize", default="divisive", choices=sorted(kernels.NORMALIZE_CODES))
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
+    p.add_argument("--segments", action="store_true",
+                   help="linear: the kernels as segmented launches compile them (SEGMENTS an argument, not 1)")
     p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
                    help="linear attention's kernels, or decayed linear attention's (--normalize does not apply)")
     a = p.parse_args()
@@ -94,6 +96,8 @@ def main():
         for chunk in a.chunks:
             full = triton.next_power_of_2(d)
             common = dict(H=a.heads, DK=d, DV=d, BT=chunk, VARLEN=False, PRECISION="tf32")
+            if a.op == "linear" and not a.segments:
+                common["SEGMENTS"] = 1  # Triton specializes an integer argument of 1 into a constant
             split_k = dict(common, BK=min(block, full), BV=full)  # dq, dk: a block of key channels
             split_v = dict(common, BK=full, BV=min(block, full))  # forward, dv: a block of value channels
             forward = dict(split_v, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
@@ -112,7 +116,7 @@ def main():
                 dv = dict(split_v, FOR_DK=False, HAS_FINAL_GRAD=False, STORE_DS=False)
             else:
                 source = kernels
-            print(f"block={block} warps={warps} stages={stages} chunk={chunk} ({a.op}, "
+            print(f"block={block} warps={warps} stages={stages} chunk={chunk} ({a.op}, {'segmented, ' * a.segments}"
                   f"{'' if a.op == 'decayed' else a.normalize + ', '}{a.dtype}, sm_{a.arch}, D={d})", flush=True)
             for name, fn, constexprs in (("forward", source._forward_kernel, forward),
                                          ("dq", source._backward_dq_kernel, dq),

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from pretrain.ops.linear_attention import LinearAttentionState, linear_attention
+from pretrain.ops.linear_attention import triton as kernels
 from pretrain.ops.linear_attention.state import FIELDS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,14 +76,23 @@ def test_matches_naive_fp32(normalize, causal, packed):
     """Awkward sizes (T not a multiple of the chunk, head dims not powers of two), a random initial state,
     the final state, and the gradients of all of them."""
     seed = 4 * NORMALIZATIONS.index(normalize) + 2 * causal + packed
-    if packed:
-        q, k, v = make_inputs(1, 45, 2, 12, 20, torch.float32, seed=seed)
-        cu_seqlens = torch.tensor([0, 5, 21, 45], dtype=torch.int32, device=DEVICE)  # 5 < chunk, 16 = chunk
-        num = 3
+    if packed:  # 5 < chunk, 16 = chunk
+        assert_fp32_matches_naive(normalize, causal, seed=seed, documents=[0, 5, 21, 45], heads=2)
     else:
-        q, k, v = make_inputs(2, 37, 2, 12, 20, torch.float32, seed=seed)
-        cu_seqlens, num = None, 2
-    state = make_state(num, 2, 12, 20, normalize, seed=seed)
+        assert_fp32_matches_naive(normalize, causal, seed=seed, batch=2, length=37, heads=2)
+
+
+def assert_fp32_matches_naive(normalize, causal, *, seed, heads, documents=None, batch=1, length=None):
+    """Random inputs (d = 12, dv = 20, packed ``documents`` or ``batch`` sequences of ``length``) and initial state,
+    chunks of 16: o, every final-state field and every gradient within 1e-5 of fp64 naive."""
+    if documents:
+        q, k, v = make_inputs(1, documents[-1], heads, 12, 20, torch.float32, seed=seed)
+        cu_seqlens = torch.tensor(documents, dtype=torch.int32, device=DEVICE)
+        num = len(documents) - 1
+    else:
+        q, k, v = make_inputs(batch, length, heads, 12, 20, torch.float32, seed=seed)
+        cu_seqlens, num = None, batch
+    state = make_state(num, heads, 12, 20, normalize, seed=seed)
     (o, final, grads), (ref_o, ref_final, ref_grads) = run_both(
         q, k, v, state, seed=seed, causal=causal, normalize=normalize, cu_seqlens=cu_seqlens, chunk_size=16)
     assert_close(o, ref_o, 1e-5, "o")
@@ -148,14 +158,96 @@ def test_refuses_a_sequence_too_long_for_32_bit_offsets():
         linear_attention(q, q, q, impl="triton")
 
 
-def test_document_lengths_are_read_only_when_the_row_is_too_long_for_32_bits():
-    """A packed row's documents are no longer than the row, so their lengths are read (a host sync per layer on a
-    GPU) only when the row itself would overflow; then they decide."""
+def test_document_lengths_are_read_once_per_offsets(monkeypatch):
+    """Every layer launches with the same offsets (in backward's recomputation, a detached copy): their lengths, which
+    the 32-bit bound and the segments need, are read on the host (a sync on a GPU) once, not per layer."""
     from pretrain.ops.linear_attention.triton import _Launch
 
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or tolist(self))
     short = torch.empty(1, 1024, 2, 16, device="meta")
-    _Launch(short, short, torch.tensor([0, 512, 1024], device="meta"), 64)  # meta offsets: reading them would raise
+    offsets = torch.tensor([0, 512, 1024])
+    for cu in (offsets, offsets, offsets.detach()):
+        _Launch(short, short, cu, 64)
+    assert len(reads) == 1
     long = torch.empty(1, 2**20, 32, 128, device="meta")
     _Launch(long, long, torch.arange(0, 2**20 + 1, 2**10), 64)  # documents of 1,024 tokens fit
     with pytest.raises(ValueError, match="32 bits"):
         _Launch(long, long, torch.tensor([0, 2**20]), 64)
+
+
+# Segments: forced to 2 chunks of 16 here (the rule splits only long sequences on a large grid). They count from
+# each document's first token, so every document starts a segment and none holds two. The documents: one token;
+# 70 tokens over three segments (32, 32, 6: T not a multiple of the chunk, the third segment partial); one token;
+# 24; 32, exactly one segment, from token 96 of the row (a multiple of 32 there too); 5. Short documents leave
+# their later segments empty, which must add nothing and write nothing.
+SEGMENTED_DOCUMENTS = [0, 1, 71, 72, 96, 128, 133]
+
+
+@pytest.fixture
+def two_chunk_segments(monkeypatch):
+    monkeypatch.setattr(kernels, "SEGMENT_CHUNKS", 2)
+
+
+@pytest.mark.usefixtures("two_chunk_segments")
+@pytest.mark.parametrize("normalize,causal,packed", [
+    *((n, c, True) for n in NORMALIZATIONS for c in (True, False)), ("subtractive", True, False),
+])
+def test_segments_match_naive_fp32(normalize, causal, packed):
+    """Sequences cut into segments whose states add up (a first pass, a running sum, the main pass, for the
+    forward and for the reverse sweeps of dk, dv) give the unsegmented results: every output, state and gradient
+    within 1e-5 of fp64 naive, packed documents straddling segments, one-token documents, states in and out."""
+    seed = 40 + 2 * NORMALIZATIONS.index(normalize) + causal
+    if packed:
+        assert_fp32_matches_naive(normalize, causal, seed=seed, documents=SEGMENTED_DOCUMENTS, heads=1)
+    else:  # three segments: 32, 32, 6
+        assert_fp32_matches_naive(normalize, causal, seed=seed, batch=2, length=70, heads=1)
+
+
+@pytest.mark.usefixtures("two_chunk_segments")
+def test_segments_in_bf16_with_several_value_blocks():
+    """As the unsegmented half-precision test (same bounds, same reasons), divisive over three segments of 32
+    tokens."""
+    q, k, v = make_inputs(1, 70, 1, 72, 80, torch.bfloat16, seed=8)
+    (o, _, grads), (ref_o, _, ref_grads) = run_both(q, k, v, None, seed=8, normalize="divisive", chunk_size=16)
+    u = UNIT_ROUNDOFF[torch.bfloat16]
+    assert_close(o, ref_o, 4 * u, "o")
+    for name, got, want in zip(["dq", "dk", "dv"], grads, ref_grads):
+        assert_close(got, want, 6 * u if name == "dq" else 4 * u, name)
+
+
+@pytest.mark.usefixtures("two_chunk_segments")
+def test_gradients_when_a_loss_reaches_only_o_or_only_the_final_state():
+    """Backward gets None for outputs no loss reached (``set_materialize_grads(False)``): dO alone, and the final
+    state's gradient alone (dO None: q gets none, k and v theirs), each against naive."""
+    q, k, v = make_inputs(1, SEGMENTED_DOCUMENTS[-1], 1, 12, 20, torch.float32, seed=9)
+    cu_seqlens = torch.tensor(SEGMENTED_DOCUMENTS, dtype=torch.int32, device=DEVICE)
+    for leaves, pick in (((q, k, v), lambda o, final: o.sum()),
+                         ((k, v), lambda o, final: (final.S * final.S).sum() + final.z.sum())):
+        grads = []
+        for impl, cast in (("triton", lambda t: t), ("naive", torch.Tensor.double)):
+            o, final = linear_attention(cast(q), cast(k), cast(v), cu_seqlens=cu_seqlens, output_final_state=True,
+                                        impl=impl)
+            grads.append(torch.autograd.grad(pick(o, final), leaves))
+        for name, got, want in zip(["dq", "dk", "dv"][-len(leaves):], *grads):
+            assert_close(got, want, 1e-5, name)
+
+
+def test_segment_rule(monkeypatch):
+    """Segments only where the GPU would idle: B=8, H=32, D=128 at 32k fills an H200 (512 programs, 2 resident per
+    SM at 4 warps); B=1, H=16 (32 programs) gets 16 segments of 32 chunks (512 programs); short sequences stay
+    whole."""
+    monkeypatch.setitem(kernels.CONFIG, "num_warps", 4)
+
+    def launch(batch, heads, length):
+        q = torch.empty(batch, length, heads, 128, device="meta")
+        return kernels._Launch(q, q, None, 64)
+    assert launch(8, 32, 32768).segments == 1
+    few = launch(1, 16, 32768)
+    assert (few.segments, few.segment_len, few.rows) == (16, 32 * 64, 16 * 16)
+    assert launch(1, 16, 512).segments == 1
+    # packed: one document of 30k tokens (469 chunks) and 100 of 20 would idle the GPU, but their empty segments
+    # would fill it (a grid of 100·16·2 programs per segment): left whole
+    assert kernels.segment_chunks(469, 16 * 2 * (469 + 100), 101 * 16 * 2, 132) is None
+    assert kernels.segment_chunks(469, 16 * 2 * (469 + 2), 3 * 16 * 2, 132) == 94  # 3 documents: 5 segments

@@ -124,7 +124,7 @@ def _backward_dq_kernel(
         _, b_last = _chunk_decay(g, start, length, H, BT)
         dS_T = tl.load(ds_in + i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :],
                        mask=(ck < DK)[:, None] & (cv < DV)[None, :], other=0.0)
-        tl.store(last_in + i_k * tl.num_programs(1) + i_nh, tl.sum(tl.sum(S * dS_T, 1), 0) * tl.exp(b_last))
+        tl.store(last_in + i_k * tl.num_programs(0) + i_nh, tl.sum(tl.sum(S * dS_T, 1), 0) * tl.exp(b_last))
         _dq_step(q, k, v, g, do, dq, qdq, S, start, length, i_k * BK, H, DK, DV, BT, BK, BV, PRECISION)
 
 
@@ -181,7 +181,7 @@ def _backward_dk_dv_kernel(
     if HAS_FINAL_GRAD:
         dS += tl.load(ds_in + state_offs, mask=state_mask, other=0.0)
         if FOR_DK:
-            later += tl.load(last_in + i_b * tl.num_programs(1) + i_nh)
+            later += tl.load(last_in + i_b * tl.num_programs(0) + i_nh)
 
     num_chunks = tl.cdiv(length, BT)
     # the last chunk apart, where dS is dS_T alone (without dS_T, x = 0 and it is like the others)
@@ -251,8 +251,8 @@ class _DecayedLinearAttention(torch.autograd.Function):
         q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
         geo = _Launch(q, v, cu_seqlens, chunk_size)
         o = torch.empty_like(v, dtype=out_dtype)
-        S_T = geo.state(geo.DK, geo.DV, device=q.device)
-        _forward_kernel[(geo.NV, geo.N * geo.H)](
+        S_T = geo.states(fields="S", device=q.device)[0]
+        _forward_kernel[(geo.N * geo.H, geo.NV)](
             q, k, v, g, o, o if S_0 is None else S_0, S_T, cu_seqlens, HAS_INITIAL=S_0 is not None,
             STORE_FINAL=True, BK=geo.BK_full, BV=geo.BV_split, **geo.common())
         ctx.save_for_backward(q, k, v, g, S_0)
@@ -271,13 +271,13 @@ class _DecayedLinearAttention(torch.autograd.Function):
         has_final_grad = dS_T is not None
         dS_T = dS_T.float().contiguous() if has_final_grad else dg
         last = torch.empty(geo.NK, geo.N * geo.H, dtype=torch.float32, device=dev)  # exp(b_L)⟨S_in, dS_T⟩
-        _backward_dq_kernel[(geo.NK, geo.N * geo.H)](
+        _backward_dq_kernel[(geo.N * geo.H, geo.NK)](
             q, k, v, g, do, dq, dg, q if S_0 is None else S_0, dS_T, last, geo.cu_seqlens, dg.stride(0),
             HAS_INITIAL=S_0 is not None, HAS_FINAL_GRAD=has_final_grad, **split_k, **geo.common())
         want_d_initial = S_0 is not None and ctx.needs_input_grad[4]
-        dS_0 = geo.state(geo.DK, geo.DV, device=dev) if want_d_initial else dg
+        dS_0 = geo.states(fields="S", device=dev)[0] if want_d_initial else dg
         for for_dk in (True, False):
-            _backward_dk_dv_kernel[(geo.NK if for_dk else geo.NV, geo.N * geo.H)](
+            _backward_dk_dv_kernel[(geo.N * geo.H, geo.NK if for_dk else geo.NV)](
                 q, k, v, g, do, dk, dv, dg, dS_T, last, dS_0, geo.cu_seqlens, dg.stride(0), FOR_DK=for_dk,
                 HAS_FINAL_GRAD=has_final_grad, STORE_DS=want_d_initial and for_dk,
                 **(split_k if for_dk else dict(BK=geo.BK_full, BV=geo.BV_split)), **geo.common())
