@@ -66,6 +66,19 @@ def _tile_offsets(tile, ROWS: tl.constexpr, WIDTH: tl.constexpr, col, BR: tl.con
 
 
 @triton.jit
+def _scan_program(first_chunk, initial, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr):
+    """A forward scan program's head, its document's chunks [c0, c1), its first value channel, its state block's
+    offsets and mask, and that block of the state it starts from."""
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
+    i_n, i_h = i_nh // H, i_nh % H
+    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
+    v0 = i_v * BV
+    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
+    return i_h, c0, c1, v0, state_at, state_mask, tl.load(initial + state_at, mask=state_mask, other=0.0)
+
+
+@triton.jit
 def _scan_forward_kernel(
     w, u, handing, decay, initial, states, delta, final, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -74,12 +87,7 @@ def _scan_forward_kernel(
     """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
     chunk, Δ = U − W S per token and the state after its chunks. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C}
     per chunk and head."""
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
-    i_n, i_h = i_nh // H, i_nh % H
-    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
-    v0 = i_v * BV
-    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
-    S = tl.load(initial + state_at, mask=state_mask, other=0.0)
+    i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
         at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
@@ -136,12 +144,7 @@ def _scan_output_kernel(
     state in registers, Δ = U − W S and O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ, then S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ.
     Neither the per-chunk states nor Δ reach memory. ``log_decay`` is D, the log-gate summed from the chunk's
     start."""
-    i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
-    i_n, i_h = i_nh // H, i_nh % H
-    c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
-    v0 = i_v * BV
-    state_at, state_mask = _tile_offsets(i_nh.to(tl.int64), DK, DV, v0, BK, BV)
-    S = tl.load(initial + state_at, mask=state_mask, other=0.0)
+    i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     rows = tl.arange(0, BC)
     causal = rows[:, None] >= rows[None, :]
     for c in range(c0, c1):
