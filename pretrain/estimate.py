@@ -86,7 +86,8 @@ def estimate(cfg: DictConfig, world_size: int) -> dict:
     parts, peak_at = activation_parts([period[i % len(period)] for i in range(len(model.layers))], rest,
                                       tokens=train.micro_batch_size * local_len, dim=cfg.model.dim, dtype=dtype,
                                       vocab=cfg.model.vocab_size, checkpointing=ds.activation_checkpointing,
-                                      mini_sequence=cfg.model.mini_sequence)
+                                      mini_sequence=cfg.model.mini_sequence,
+                                      ffn_input_rows=2 if model.layers[0].ffn.shifts else 1)
     activations = sum(parts.values())
 
     offloaded = {"weights": ds.offload_params, "gradients": False, "optimizer_states": ds.offload_optimizer}
@@ -153,10 +154,12 @@ def _one_pattern_period(model_cfg: ModelConfig) -> ModelConfig:
 
 
 def activation_parts(blocks: list[dict[str, int]], rest: int, *, tokens: int, dim: int, dtype: torch.dtype,
-                     vocab: int, checkpointing: bool, mini_sequence: int) -> tuple[dict[str, int], str]:
+                     vocab: int, checkpointing: bool, mini_sequence: int,
+                     ffn_input_rows: int = 1) -> tuple[dict[str, int], str]:
     """One rank's activation bytes at their peak, by component (summing to the total), and which moment that is.
 
-    ``blocks``: each block's saved bytes by part (``BLOCK_PARTS``), measured whole; ``rest``: the loss's.
+    ``blocks``: each block's saved bytes by part (``BLOCK_PARTS``), measured whole; ``rest``: the loss's;
+    ``ffn_input_rows``: the rows a sliced feed-forward keeps as its input (2 for a token-shifted one).
     """
     row = tokens * dim * dtype.itemsize  # one [tokens, dim] tensor: a block's input, the residual's gradient
 
@@ -167,7 +170,7 @@ def activation_parts(blocks: list[dict[str, int]], rest: int, *, tokens: int, di
     if mini_sequence:  # the feed-forward keeps its input; in backward one slice's activations come back at a time
         share = min(mini_sequence, tokens) / tokens
         slice_bytes = int(max(share * (block["ffn_norm"] + block["ffn"]) for block in blocks))
-        blocks = [{**block, "ffn_norm": row, "ffn": 0} for block in blocks]
+        blocks = [{**block, "ffn_norm": ffn_input_rows * row, "ffn": 0} for block in blocks]
     kept = [] if checkpointing else blocks  # held from a block's forward to its backward
     recomputed = [max(blocks, key=block_bytes)] if checkpointing else []  # held while the block's backward runs
     at_loss = working_set_bytes(tokens, vocab, dtype)

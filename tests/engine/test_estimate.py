@@ -137,11 +137,15 @@ def test_activation_breakdown_sums_to_the_total(checkpointing, mini_sequence, pr
     assert working > 0
 
 
-def test_mini_sequence_keeps_only_the_feed_forward_input():
-    whole, sliced = (estimate(tiny("model.n_layers=3", f"model.mini_sequence={tokens}"), 1) for tokens in (0, 16))
+@pytest.mark.parametrize("ffn, rows", [("swiglu", 1), ("rwkv_channel_mix", 2)])
+def test_mini_sequence_keeps_only_the_feed_forward_input(ffn, rows):
+    """A sliced feed-forward keeps its input: a row per block, two for a token-shifted one (each token beside the one
+    before it, which the block hands it)."""
+    whole, sliced = (estimate(tiny("model.n_layers=3", f"model.mini_sequence={tokens}", f"model.ffn={ffn}"), 1)
+                     for tokens in (0, 16))
     row = 2 * 24 * 32 * 4  # micro-batch × seq_len × dim × fp32: the input each sliced feed-forward keeps
     assert sliced["activation_breakdown_bytes"]["ffns"] == 0
-    assert sliced["activation_breakdown_bytes"]["ffn_norms"] == 3 * row
+    assert sliced["activation_breakdown_bytes"]["ffn_norms"] == 3 * rows * row
     assert whole["activation_breakdown_bytes"]["ffns"] > 3 * 3 * row  # gate, up, their product at least: wider
     assert kept_bytes(sliced) < kept_bytes(whole)
 
