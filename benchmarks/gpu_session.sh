@@ -69,8 +69,14 @@ stage profile_softmax_varlen 120 profile softmax_varlen configs/softmax_lm_1b.ya
 stage profile_linear_mb16 150 profile linear_mb16 configs/lm/linear_1b.yaml train.compile=false \
     train.micro_batch_size=16
 
-# 3. The linear kernel on CUDA without the interpreter (its launch and grid changed since it last ran there)
-stage kernel_tests 120 $PYTEST --timeout=100 tests/ops/test_linear_attention_triton*.py
+# 3. Our kernels on CUDA without the interpreter (the linear kernel's launch and grid, and the delta rule's backward,
+#    changed since they last ran there)
+stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_linear_attention_triton*.py tests/ops/test_delta_rule_triton.py
+
+# issue 45: where each op's fwd+bwd spends its time at 16k (kernels by name; device busy against wall): what the
+# gated delta rule's 20x over the linear kernel is made of
+stage op_profile 90 python3 tools/bench_triton_gpu.py --profile gated_delta_triton,decay_triton,linear_triton \
+    --out "$RES/gpu_op_profile.json"
 
 # 4. The op table with the 4-warp linear kernel, at 32k too (issue 45: >= 50 % of the copy ceiling there)
 stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \

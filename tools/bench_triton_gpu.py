@@ -316,6 +316,42 @@ def segments(results, T=32768, D=128):
         kernels.SEGMENT_CHUNKS = default
 
 
+def kernel_profile(results, names, T, B=8, H=32, D=128, repeats=3):
+    """Where each op's forward+backward spends its time at one T: the profiler's kernels (and other device ops) by
+    name, the most expensive first, and how busy the device was over the wall time of the repeats (the rest is
+    the host: launches, Python, synchronisation)."""
+    from torch.profiler import ProfilerActivity, profile
+    rows = results.setdefault("kernel_profile", [])
+    ops = make_ops(B, T, H, D)
+    unknown = sorted(set(names) - set(ops))
+    if unknown:
+        raise SystemExit(f"--profile: no op named {', '.join(unknown)}; ops here: {', '.join(ops)}")
+    on_device = DEV == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    field = "self_device_time_total" if on_device else "self_cpu_time_total"
+    sync = torch.cuda.synchronize if on_device else (lambda: None)
+    for name in names:
+        _, fwdbwd = ops[name]()
+        fwdbwd()  # compile and warm outside the profile
+        sync()
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fwdbwd()
+            sync()
+            wall_ms = (time.perf_counter() - start) * 1e3 / repeats
+        events = [e for e in prof.key_averages() if getattr(e, field) > 0]
+        busy_ms = sum(getattr(e, field) for e in events) / repeats / 1e3
+        top = sorted(events, key=lambda e: -getattr(e, field))[:20]
+        kernels = [dict(name=e.key[:160], ms=getattr(e, field) / repeats / 1e3, calls=e.count // repeats)
+                   for e in top]
+        rows.append(dict(op=name, T=T, B=B, H=H, D=D, wall_ms=wall_ms, busy_ms=busy_ms, kernels=kernels))
+        log(f"profile {name} T={T} B={B} H={H} D={D}: {wall_ms:.2f} ms a fwd+bwd, "
+            f"{'device' if on_device else 'host'} busy {busy_ms:.2f} ms")
+        for k in kernels:
+            log(f"  {k['ms']:9.3f} ms {k['calls']:5d}x  {k['name']}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--check", action="store_true", help="correctness of ours on CUDA against fp64 naive")
@@ -324,6 +360,9 @@ def main():
     p.add_argument("--segments", action="store_true", help="segmented kernels against whole ones at T=32k")
     p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
     p.add_argument("--only", default="", help="comma-separated op names to bench")
+    p.add_argument("--profile", default="", help="comma-separated op names: each fwd+bwd's kernels by time")
+    p.add_argument("--profile-t", type=int, default=16384, help="T for --profile")
+    p.add_argument("--profile-shape", default="8,32,128", help="B,H,D for --profile")
     p.add_argument("--out", default="gpu_results.json")
     p.add_argument("--device", default="cuda")
     a = p.parse_args()
@@ -350,6 +389,9 @@ def main():
             sweep(results)
         if a.segments:
             segments(results)
+        if a.profile:
+            B, H, D = (int(x) for x in a.profile_shape.split(","))
+            kernel_profile(results, a.profile.split(","), a.profile_t, B, H, D)
         if a.bench:
             bench(results, [int(t) for t in a.bench.split(",")], only=set(filter(None, a.only.split(","))))
     finally:

@@ -7,7 +7,9 @@ L2-normalized q and k, ``β = sigmoid(W_β x)``, a per-head RMSNorm of the outpu
 parallelism), whose class this extends. As flash-linear-attention's ``KimiDeltaAttention``: the gate's
 ``W_α`` and the output gate are low-rank (``dim → rank → dim``, rank = head_dim), the log-decay
 ``g = −exp(A_log_h) · softplus(x W_α + dt_bias)`` per channel (A per head, dt per channel, Mamba-2's init), and the
-output gate is a sigmoid.
+output gate is a sigmoid. ``gate_bias`` says where that gate starts: the released code's 0 opens it halfway; −2
+starts it nearly shut, as Gated DeltaNet's SiLU gate starts near zero (MIXERS.md#kda: what that is worth at small
+budgets).
 """
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,8 @@ class KimiDeltaAttention(DeltaNet):
 
     def __init__(self, dim: int, num_heads: int, *, causal: bool = True, short_conv: int = 4, chunk_size: int = 64,
                  impl: str = "auto", qkv_bias: bool = False, o_bias: bool = False, gate_rank: int | None = None,
-                 dt_min: float | None = None, dt_max: float | None = None, a_init_range=None):
+                 dt_min: float | None = None, dt_max: float | None = None, a_init_range=None,
+                 gate_bias: float = 0.0):
         if not causal:
             raise ValueError("kda is causal only (its state is a recurrence); build it with causal=True")
         super().__init__(dim, num_heads, causal=causal, short_conv=short_conv, chunk_size=chunk_size, impl=impl,
@@ -48,6 +51,8 @@ class KimiDeltaAttention(DeltaNet):
         if rank < 1:
             raise ValueError(f"kda: gate_rank must be ≥ 1; got {gate_rank}")
         self.out_gate_proj = low_rank(dim, rank, bias=True)  # in place of deltanet's full-rank one
+        # added to the gate's learned bias, which starts at zero (models.layers.init_weights): its starting point
+        self.gate_bias = float(gate_bias)
         self.decay_proj = low_rank(dim, rank, bias=False)
         init = dict(dt_min=MAMBA2_DT_MIN if dt_min is None else dt_min, dt_max=MAMBA2_DT_MAX if dt_max is None
                     else dt_max, a_init_range=MAMBA2_A_INIT_RANGE if a_init_range is None else a_init_range,
@@ -72,7 +77,7 @@ class KimiDeltaAttention(DeltaNet):
         return dplr_transition_of_tokens(keys, v, a, b, g, mask, chunk_size=chunk_size)
 
     def _output(self, o, x):
-        gate = torch.sigmoid(self.out_gate_proj(x)).reshape(o.shape)
+        gate = torch.sigmoid(self.out_gate_proj(x) + self.gate_bias).reshape(o.shape)
         return self.o_proj((self.out_norm(o) * gate).reshape(*x.shape[:2], self.dim))
 
     def flops_per_token(self, seq_len: int) -> float:

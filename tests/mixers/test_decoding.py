@@ -40,7 +40,7 @@ CAUSAL_CASES = [
     ("gated_deltanet", {"chunk_size": 4}),
     ("gated_deltanet", {"chunk_size": 4, "short_conv": 0}),
     ("kda", {"chunk_size": 4}),
-    ("kda", {"chunk_size": 4, "short_conv": 0, "gate_rank": 3}),
+    ("kda", {"chunk_size": 4, "short_conv": 0, "gate_rank": 3, "gate_bias": -2.0}),
     ("rwkv7", {"chunk_size": 4}),
     ("rwkv7", {"chunk_size": 4, "short_conv": 4, "decay_rank": 3, "rate_rank": 5, "gate_rank": 7}),
 ]

@@ -37,6 +37,19 @@ def test_gated_deltanet_is_deltanet_with_the_gate():
     assert not any("decay" in n or n in ("A_log", "dt_bias") for n, _ in plain.named_parameters())
 
 
+def test_kda_gate_bias_is_where_its_output_gate_starts():
+    """With the gate's weights and bias at zero the gate is sigmoid(gate_bias) everywhere, so the output scales with it."""
+    x = torch.randn(2, 9, DIM)
+    outs = []
+    for bias in (0.0, -2.0):
+        torch.manual_seed(0)
+        mixer = build_mixer("kda", DIM, HEADS, causal=True, options={"chunk_size": 4, "gate_bias": bias})
+        torch.nn.init.zeros_(mixer.out_gate_proj[1].weight)
+        torch.nn.init.zeros_(mixer.out_gate_proj[1].bias)  # as init_weights leaves it
+        outs.append(mixer(x))
+    torch.testing.assert_close(outs[1], outs[0] * torch.sigmoid(torch.tensor(-2.0)) / 0.5)
+
+
 @pytest.mark.parametrize("name", sorted(VISION_ONLY))
 def test_mixers_without_a_causal_form_are_refused_for_a_causal_model(name):
     with pytest.raises(ValueError, match=f"{name!r} has no causal form"):
