@@ -119,6 +119,24 @@ def test_beta_near_1_from_zero_state():
     compare(inputs, None, dtype=torch.float32, tol=1e-5, seed=11, chunk_size=16)
 
 
+def test_gradients_through_the_final_state_alone():
+    """A loss of the final states only: no gradient reaches o (backward gets None for it), and every input's
+    gradient still matches, packed documents included."""
+    inputs = make_inputs(1, 30, 2, 16, 16, (-1.0, 0.0), seed=19)
+    cu = torch.tensor([0, 11, 30], device=DEVICE)
+    state = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    weights = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    grads = {}
+    for impl, dtype in (("triton", torch.float32), ("chunk", torch.float64)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (*inputs, state)]
+        _, final = delta_rule(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], output_final_state=True,
+                              chunk_size=8, impl=impl)
+        grads[impl] = torch.autograd.grad((final * weights.to(dtype)).sum(), leaves)
+    assert not grads["triton"][0].any()  # q reaches only o
+    for name, got, want in zip(["dk", "dv", "dβ", "dg", "d initial state"], grads["triton"][1:], grads["chunk"][1:]):
+        assert_close(got, want, 1e-5, name)
+
+
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
