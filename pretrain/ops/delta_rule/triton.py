@@ -85,14 +85,23 @@ def _scan_program(first_chunk, initial, H: tl.constexpr, DK: tl.constexpr, DV: t
 
 
 @triton.jit
+def _handing_factors(k, after, tile, C: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """One chunk's K ``[BC, BK]`` and ``e^{D_C − D}`` per row, from ``after``: D_C − D as a sum of the later gates
+    (0 for the last token). The state takes ``(K ⊙ e^{D_C − D})ᵀ Δ`` from the chunk."""
+    rows = tl.arange(0, BC)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    K = tl.load(k + at_k, mask=mask_k, other=0.0)
+    return K, tl.exp(tl.load(after + tile * C + rows, mask=rows < C, other=0.0))
+
+
+@triton.jit
 def _scan_forward_kernel(
-    w, u, handing, decay, initial, states, delta, final, first_chunk,
+    w, u, k, after, decay, initial, states, delta, final, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
-    chunk, Δ = U − W S per token and the state after its chunks. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C}
-    per chunk and head."""
+    chunk, Δ = U − W S per token and the state after its chunks. ``decay`` is e^{D_C} per chunk and head."""
     i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
@@ -103,14 +112,14 @@ def _scan_forward_kernel(
         d = tl.load(u + at_v, mask=mask_v, other=0.0) - _mm(tl.load(w + at_k, mask=mask_k, other=0.0), S, None,
                                                              PRECISION)
         tl.store(delta + at_v, d, mask=mask_v)
-        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
-        S = _mm(tl.trans(hands), d, S * tl.load(decay + tile), PRECISION)
+        K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
+        S = _mm(tl.trans(K * e_after[:, None]), d, S * tl.load(decay + tile), PRECISION)
     tl.store(final + state_at, S, mask=state_mask)
 
 
 @triton.jit
 def _scan_backward_kernel(
-    w, handing, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
+    w, k, after, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL_GRAD: tl.constexpr, PRECISION: tl.constexpr,
@@ -131,13 +140,44 @@ def _scan_backward_kernel(
         tl.store(grad_after + at, G, mask=mask)
         at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
         at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
-        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
-        dd = _mm(hands, G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
+        K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
+        dd = _mm(K * e_after[:, None], G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
         tl.store(delta_grad + at_v, dd, mask=mask_v)
         W = tl.load(w + at_k, mask=mask_k, other=0.0)
         G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
             - _mm(tl.trans(W), dd, None, PRECISION)
     tl.store(d_initial + state_at, G, mask=state_mask)
+
+
+@triton.jit
+def _state_grads_kernel(
+    k, after, decay, states, grad_after, delta, delta_grad, dw, dk, d_after, d_last,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """What a chunk's inputs get through the state, per (chunk, head), from its entering state S, G (the gradient of
+    the state leaving it), Δ and dΔ: ``dW = −dΔ Sᵀ``; ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, whose K part it adds to ``dk``
+    and whose e^{D_C − D} part it writes per row; and ``e^{D_C}``'s, ``Σ S ⊙ G``, times e^{D_C} (the gradient of the
+    chunk's summed gate). dW and Δ Gᵀ sum over value blocks."""
+    tile = tl.program_id(0).to(tl.int64)
+    d_w = tl.zeros([BC, BK], dtype=tl.float32)
+    d_hands = tl.zeros([BC, BK], dtype=tl.float32)
+    through_decay = 0.0
+    for v0 in range(0, DV, BV):
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        S = tl.load(states + at, mask=mask, other=0.0)
+        G = tl.load(grad_after + at, mask=mask, other=0.0)
+        d_w = _mm(tl.load(delta_grad + at_v, mask=mask_v, other=0.0), tl.trans(S), d_w, PRECISION)
+        d_hands = _mm(tl.load(delta + at_v, mask=mask_v, other=0.0), tl.trans(G), d_hands, PRECISION)
+        through_decay += tl.sum(S * G)
+    K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    tl.store(dw + at_k, -d_w, mask=mask_k)
+    tl.store(dk + at_k, tl.load(dk + at_k, mask=mask_k, other=0.0) + d_hands * e_after[:, None], mask=mask_k)
+    rows = tl.arange(0, BC)
+    tl.store(d_after + tile * C + rows, tl.sum(d_hands * K, 1) * e_after, mask=rows < C)
+    tl.store(d_last + tile, through_decay * tl.load(decay + tile))
 
 
 @triton.jit
@@ -311,7 +351,7 @@ class _Block(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, beta, g, starting, first_chunk)
         ctx.chunks, ctx.precision = chunks, precision
         ctx.set_materialize_grads(False)
-        return _token_rows(out).to(q.dtype), final
+        return _token_rows(out, q.dtype), final
 
     @staticmethod
     def backward(ctx, d_rows, d_final):
@@ -323,21 +363,20 @@ class _Block(torch.autograd.Function):
         # is Γ's diagonal in the output kernels): as D_i − D_i their gradients would be ± terms of size 1 that cancel
         # in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
         after = F.pad(G.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
-        handing = K * after.exp()[..., None]
         decay = D[..., -1].exp()
         A, W, U = _ut_forward(K, V, B, D, precision)
-        states, delta = _scan_forward(W, U, handing, decay, starting, first_chunk, precision)
+        states, delta = _scan_forward(W, U, K, after, decay, starting, first_chunk, precision)
         dO = torch.zeros_like(U) if d_rows is None else _chunk_rows(d_rows, chunks)
-        d_states, d_delta_out, dQ, dK_out, dD_out = _output_backward(Q, K, D, states, delta, dO, precision)
-        grad_after, d_delta, d_starting = _scan_backward(W, handing, decay, d_states, d_delta_out, d_final,
+        d_states, d_delta_out, dQ, dK, dD_out = _output_backward(Q, K, D, states, delta, dO, precision)
+        grad_after, d_delta, d_starting = _scan_backward(W, K, after, decay, d_states, d_delta_out, d_final,
                                                          first_chunk, precision)
-        dK_ut, dV, dB, dD_ut = _ut_backward(K, V, B, D, A, -(d_delta @ states.mT), d_delta, precision)
-        d_handing = delta @ grad_after.mT
-        dK = dK_ut + dK_out + d_handing * after.exp()[..., None]
-        d_after = (d_handing * handing).sum(-1)[..., :-1]  # the last token's is a constant: no gate follows it
-        d_last = (states * grad_after).sum((-2, -1)) * decay  # through e^{D_C}, the sum of every gate of the chunk
-        dG = (dD_ut + dD_out).flip(-1).cumsum(-1).flip(-1) + F.pad(d_after, (1, 0)).cumsum(-1) + d_last[..., None]
-        grads = (_token_rows(x).to(t.dtype) for x, t in zip((dQ, dK, dV, dB, dG), (q, k, v, beta, g)))
+        dW, d_after, d_last = _state_grads(K, after, decay, states, grad_after, delta, d_delta, dK, precision)
+        dK_ut, dV, dB, dD_ut = _ut_backward(K, V, B, D, A, dW, d_delta, precision)
+        dK += dK_ut
+        # the last token's e^{D_C − D} is a constant (no gate follows it); D_C is the sum of every gate of the chunk
+        d_after = F.pad(d_after[..., :-1], (1, 0)).cumsum(-1)
+        dG = (dD_ut + dD_out).flip(-1).cumsum(-1).flip(-1) + d_after + d_last[..., None]
+        grads = (_token_rows(x, t.dtype) for x, t in zip((dQ, dK, dV, dB, dG), (q, k, v, beta, g)))
         return *grads, d_starting, None, None, None
 
 
@@ -366,20 +405,20 @@ def _ut_geometry(size, dk, dv, precision) -> dict:
                 PRECISION=precision, **UT_CONFIG)
 
 
-def _scan_forward(W, U, handing, decay, starting, first_chunk, precision):
-    """``(W, U, K ⊙ e^{D_C − D}, e^{D_C})`` (chunk tensors ``[n, H, C, *]``, ``decay [n, H]``; fp32, contiguous)
-    from ``starting`` → the state entering each chunk ``[n, H, Dk, Dv]`` and Δ."""
+def _scan_forward(W, U, K, after, decay, starting, first_chunk, precision):
+    """``(W, U, K, D_C − D, e^{D_C})`` (chunk tensors ``[n, H, C, *]``, ``decay [n, H]``; fp32, contiguous) from
+    ``starting`` → the state entering each chunk ``[n, H, Dk, Dv]`` and Δ."""
     n, heads, size, dk = W.shape
     dv, docs = U.shape[-1], first_chunk.numel() - 1
     states, delta = W.new_empty(n, heads, dk, dv), torch.empty_like(U)
     final = W.new_empty(docs, heads, dk, dv)  # the forward's, again
     geometry = _geometry(size, dk, dv, precision)
     _scan_forward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-        W, U, handing, decay, starting, states, delta, final, first_chunk, H=heads, **geometry)
+        W, U, K, after, decay, starting, states, delta, final, first_chunk, H=heads, **geometry)
     return states, delta
 
 
-def _scan_backward(W, handing, decay, d_states, d_delta, d_final, first_chunk, precision):
+def _scan_backward(W, K, after, decay, d_states, d_delta, d_final, first_chunk, precision):
     """The scan's adjoint, from what the output stage hands back for each chunk's entering state and Δ, and the
     final states' gradient (None: none) → G (the gradient of the state leaving each chunk), Δ's whole gradient, and
     the starting states'."""
@@ -388,9 +427,19 @@ def _scan_backward(W, handing, decay, d_states, d_delta, d_final, first_chunk, p
     d_starting = d_states.new_empty(docs, *d_states.shape[1:])
     geometry = _geometry(W.shape[2], W.shape[3], dv, precision)
     _scan_backward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-        W, handing, decay, d_states, d_delta, d_starting if d_final is None else d_final.contiguous(), grad_after,
+        W, K, after, decay, d_states, d_delta, d_starting if d_final is None else d_final.contiguous(), grad_after,
         delta_grad, d_starting, first_chunk, H=heads, HAS_FINAL_GRAD=d_final is not None, **geometry)
     return grad_after, delta_grad, d_starting
+
+
+def _state_grads(K, after, decay, states, grad_after, delta, d_delta, dk, precision):
+    """After the reverse scan, every (chunk, head) a program: dW, and the gradients of e^{D_C − D} per token and of
+    the chunk's summed gate; adds K's share to ``dk``."""
+    n, heads, size, dk_width = K.shape
+    dw, d_after, d_last = torch.empty_like(K), torch.empty_like(after), torch.empty_like(decay)
+    _state_grads_kernel[(n * heads,)](K, after, decay, states, grad_after, delta, d_delta, dw, dk, d_after, d_last,
+                                      **dict(_geometry(size, dk_width, delta.shape[-1], precision), **UT_CONFIG))
+    return dw, d_after, d_last
 
 
 def _output_backward(Q, K, D, states, delta, dO, precision):
@@ -500,9 +549,10 @@ def _chunk_rows(x: torch.Tensor, chunks: int) -> torch.Tensor:
     return chunked.to(accumulation, memory_format=torch.contiguous_format).contiguous()  # (same dtype: .to keeps it)
 
 
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """Chunk tensors ``[n, H, C, *]`` → padded rows ``[n·C, H, *]``."""
-    return x.transpose(1, 2).reshape(-1, x.shape[1], *x.shape[3:])
+def _token_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk tensors ``[n, H, C, *]`` → padded rows ``[n·C, H, *]`` in ``dtype``, in one copy (as ``_chunk_rows``)."""
+    rows = x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return rows.reshape(-1, x.shape[1], *x.shape[3:])  # (same dtype: .to keeps the layout, reshape copies)
 
 
 def _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision):
