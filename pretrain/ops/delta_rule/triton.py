@@ -16,8 +16,10 @@ autograd Function (``_Block``) whose forward and backward are kernels and a few 
   (forward keeps each chunk's state and Δ in registers; backward's scan forward, without O, writes them);
 - the output stage's adjoint, one program per (chunk, head), from dO and the chunk's state S and Δ:
   ``dS_out = (Q ⊙ e^D)ᵀ dO``, ``dΔ_out = (Q Kᵀ ⊙ Γ)ᵀ dO``, dQ, the Q Kᵀ part of dK and of D's gradient;
-then batched ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``, and the
-gradients of D, of ``D_C − D`` and of ``D_C`` gathered into g's (cumulative sums over the chunk).
+- what each chunk gets through the state, one program per (chunk, head), after the reverse scan:
+  ``dW = −dΔ Sᵀ`` (and ``dU = dΔ``), ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``;
+then the UT transform's gradient, and the gradients of D, of ``D_C − D`` and of ``D_C`` gathered into g's
+(cumulative sums over the chunk, batched).
 
 Chunks start at each document's first token (packed documents are sequences of their own, as in the linear
 attention kernels): a document's last chunk is padded with tokens of β = 0, g = 0, k = q = v = 0, which write
