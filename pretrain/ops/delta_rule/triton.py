@@ -341,8 +341,8 @@ class _Block(torch.autograd.Function):
 
     Forward is two kernels, the UT transform and the scan with the output stage inside, and keeps only its inputs.
     Backward recomputes A, W, U and the per-chunk states (the UT and scan kernels; not O, which it does not need),
-    then differentiates by hand: the output stage's adjoint, the reverse scan, the UT transform's gradient, and the
-    gates' share of each gathered into g's gradient."""
+    then differentiates by hand: the output stage's adjoint, the reverse scan, what each chunk gets through the
+    state, the UT transform's gradient, and the gates' share of each gathered into g's gradient."""
 
     @staticmethod
     def forward(ctx, q, k, v, beta, g, starting, first_chunk, chunks, precision):
