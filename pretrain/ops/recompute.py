@@ -5,7 +5,9 @@ for chunks ``lo … hi-1`` (``tokens``: the block's rows of the per-token inputs
 lo). ``in_blocks`` runs each block without autograd and, when a gradient is wanted, through ``Recomputed``, which
 keeps only the block's inputs and runs the block again with autograd in backward: its C×C factors and chunk states
 exist only during its own backward. Backward then keeps, per token and head, the inputs (which the caller holds
-anyway) and one state per block. Used by ``delta_rule/chunk.py`` and ``decayed_linear_attention/chunk.py``.
+anyway) and one state per block. Used by ``delta_rule/chunk.py`` and ``decayed_linear_attention/chunk.py``;
+``delta_rule/triton.py`` walks its blocks with ``in_blocks`` too, each an autograd Function that recomputes by
+hand.
 """
 from functools import partial
 
@@ -20,12 +22,14 @@ def bounded_blocks(count: int, heads: int, size: int, width: int, elements: int)
     return [(lo, min(lo + step, count)) for lo in range(0, count, step)]
 
 
-def in_blocks(block, blocks: list[tuple[int, int]], size: int, tokens, state, *extra):
+def in_blocks(block, blocks: list[tuple[int, int]], size: int, tokens, state, *extra, recompute: bool = True):
     """``block`` over ``blocks`` of chunks of ``size`` rows of ``tokens`` (``[T, ...]`` each), carrying ``state``
     from block to block → every block's rows (concatenated, cut to T), the state after the last block, and the
-    blocks' further outputs (``more``, in order)."""
+    blocks' further outputs (``more``, in order). ``recompute=False``: the block differentiates itself at the memory
+    of its inputs (an autograd Function that recomputes what its backward needs), and runs as it is."""
     total = tokens[0].shape[0]
-    saving = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tokens, state, *extra))
+    saving = recompute and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (*tokens, state, *extra))
     sizes = [min(hi * size, total) - lo * size for lo, hi in blocks]
     rows, more = [], []
     for (lo, hi), piece in zip(blocks, zip(*(x.split(sizes) for x in tokens))):  # one gradient buffer each

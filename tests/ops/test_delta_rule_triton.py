@@ -83,6 +83,8 @@ CASES = {
     "whole_chunk_documents": (1, 48, 1, 16, 16, [0, 16, 48], (-0.5, 0.0), 16),
     "width_64": (1, 40, 1, 64, 64, [0, 3, 40], (-1.0, 0.0), 32),
     "width_128_dv_64": (1, 20, 1, 128, 64, None, (-0.5, 0.0), 16),
+    # a chunk of 20 in blocks of 32 rows: the rows past C must not reach exp (e^{+110} there once made dk, dg NaN)
+    "chunk_20_strong_gates": (1, 45, 1, 16, 16, None, (-6.0, -5.0), 20),
 }
 
 
@@ -117,6 +119,24 @@ def test_beta_near_1_from_zero_state():
     """β near 1 (the solve's off-diagonal terms near ±k·k) and no initial state (none given, none differentiated)."""
     inputs = make_inputs(2, 30, 2, 16, 16, (-0.2, 0.0), seed=11, beta=(1 - 1e-3, 1.0))
     compare(inputs, None, dtype=torch.float32, tol=1e-5, seed=11, chunk_size=16)
+
+
+def test_gradients_through_the_final_state_alone():
+    """A loss of the final states only: no gradient reaches o (backward gets None for it), and every input's
+    gradient still matches, packed documents included."""
+    inputs = make_inputs(1, 30, 2, 16, 16, (-1.0, 0.0), seed=19)
+    cu = torch.tensor([0, 11, 30], device=DEVICE)
+    state = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    weights = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(20)).to(DEVICE)
+    grads = {}
+    for impl, dtype in (("triton", torch.float32), ("chunk", torch.float64)):
+        leaves = [x.detach().to(dtype).requires_grad_() for x in (*inputs, state)]
+        _, final = delta_rule(*leaves[:5], cu_seqlens=cu, initial_state=leaves[5], output_final_state=True,
+                              chunk_size=8, impl=impl)
+        grads[impl] = torch.autograd.grad((final * weights.to(dtype)).sum(), leaves)
+    assert not grads["triton"][0].any()  # q reaches only o
+    for name, got, want in zip(["dk", "dv", "dβ", "dg", "d initial state"], grads["triton"][1:], grads["chunk"][1:]):
+        assert_close(got, want, 1e-5, name)
 
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

@@ -1,33 +1,40 @@
 """The gated delta rule's chunked form with its per-chunk and sequential parts in Triton (docs/MIXERS.md#deltanet,
 "Triton form").
 
-The WY/UT chunked form of ``chunk.py``, split much as flash-linear-attention splits it. Kernels do:
+The WY/UT chunked form of ``chunk.py``, split much as flash-linear-attention splits it, every block of chunks one
+autograd Function (``_Block``) whose forward and backward are kernels and a few batched ops:
 - the UT transform, one program per (chunk, head): ``A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹`` by forward
   substitution, ``W = A (β e^D K)``, ``U = A (β V)``; backward, with ``X = β e^D K``, ``Y = β V``:
   ``dX = Aᵀ dW``, ``dY = Aᵀ dU``, ``dA = dW Xᵀ + dU Yᵀ`` and through the inverse ``dM = −Aᵀ dA Aᵀ`` (strictly
   lower), whence dK, dβ and the log-gate's gradient;
 - the scan over chunks, one program per (document, head, block of value channels):
 
-    forward, chunk after chunk:   Δ = U − W S,   S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ
+    forward, chunk after chunk:   Δ = U − W S,   O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ,   S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ
     backward, in reverse, G the gradient of the state leaving the chunk:
         dΔ = dΔ_out + (K ⊙ e^{D_C − D}) G,   G ← dS_out + e^{D_C} G − Wᵀ dΔ
 
-  (``dΔ_out``, ``dS_out``: what the output stage hands back for Δ and for the state entering the chunk), then
-  batched ``dW = −dΔ Sᵀ``, ``dU = dΔ``, ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``.
-Batched PyTorch does the rest: the cumulative log-gate, Γ, the output ``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ``, and
-autograd between the pieces. A forward nothing differentiates runs the output inside the scan instead
-(``_scan_output_kernel``): no per-chunk state or Δ is written.
+  (forward keeps each chunk's state and Δ in registers; backward's scan forward, without O, writes them);
+- the output stage's adjoint, one program per (chunk, head), from dO and the chunk's state S and Δ:
+  ``dS_out = (Q ⊙ e^D)ᵀ dO``, ``dΔ_out = (Q Kᵀ ⊙ Γ)ᵀ dO``, dQ, the Q Kᵀ part of dK and of D's gradient;
+- what each chunk gets through the state, one program per (chunk, head), after the reverse scan:
+  ``dW = −dΔ Sᵀ`` (and ``dU = dΔ``), ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, ``d e^{D_C} = Σ S ⊙ G``;
+then the UT transform's gradient, and the gradients of D, of ``D_C − D`` and of ``D_C`` gathered into g's
+(cumulative sums over the chunk, batched).
 
 Chunks start at each document's first token (packed documents are sequences of their own, as in the linear
 attention kernels): a document's last chunk is padded with tokens of β = 0, g = 0, k = q = v = 0, which write
 nothing, so no chunk holds two documents and the scan needs no masks. One program owns a (document, head, block
 of value channels) and carries its fp32 state ``[Dk, block]`` in registers; the scan's columns are independent.
 
-Memory: the chunks are walked in blocks (``BLOCK_ELEMENTS``), each run without autograd and again with it in
-backward (``ops/recompute.py``), so backward keeps only the inputs and one state per block; the per-chunk states
-(``Dk × Dv`` per chunk and head, fp32) and the UT temporaries exist for one block at a time. A block hands the state
-of the document running past its end to the next. Under ``TRITON_INTERPRET=1`` the kernels run on CPU; the tests
-hold them to ``chunk``.
+Memory and time: the chunks are walked in blocks (``BLOCK_ELEMENTS``); a block's Function keeps only its inputs
+(the caller's token rows, and the state each document starts from), and its backward recomputes A, W, U, the
+per-chunk states (``Dk × Dv`` per chunk and head, fp32) and Δ, which then exist for one block at a time (fla also
+recomputes W, U and the states; it keeps A). Keeping them from the forward instead would skip two kernels (the UT
+transform and a scan) in backward, but hold A, W, the states and Δ in every layer until its backward: 2.3 KB per
+token and head at C = 64, Dk = Dv = 128, 3× the bf16 inputs, ≈ 10 GB a layer at B = 8, 16k, 32 heads. So
+backward's peak stays that of ``chunk.py``. O is never recomputed (backward does not need it), and no autograd graph is
+recorded inside a block. A block hands the state of the document running past its end to the next. Under
+``TRITON_INTERPRET=1`` the kernels run on CPU; the tests hold them to ``chunk``.
 """
 import bisect
 import os
@@ -35,6 +42,7 @@ from functools import partial
 from itertools import chain
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -79,14 +87,23 @@ def _scan_program(first_chunk, initial, H: tl.constexpr, DK: tl.constexpr, DV: t
 
 
 @triton.jit
+def _handing_factors(k, after, tile, C: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
+    """One chunk's K ``[BC, BK]`` and ``e^{D_C − D}`` per row, from ``after``: D_C − D as a sum of the later gates
+    (0 for the last token). The state takes ``(K ⊙ e^{D_C − D})ᵀ Δ`` from the chunk."""
+    rows = tl.arange(0, BC)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    K = tl.load(k + at_k, mask=mask_k, other=0.0)
+    return K, tl.exp(tl.load(after + tile * C + rows, mask=rows < C, other=0.0))
+
+
+@triton.jit
 def _scan_forward_kernel(
-    w, u, handing, decay, initial, states, delta, final, first_chunk,
+    w, u, k, after, decay, initial, states, delta, final, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
-    chunk, Δ = U − W S per token and the state after its chunks. ``handing`` is K ⊙ e^{D_C − D}, ``decay`` e^{D_C}
-    per chunk and head."""
+    chunk, Δ = U − W S per token and the state after its chunks. ``decay`` is e^{D_C} per chunk and head."""
     i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
@@ -97,14 +114,14 @@ def _scan_forward_kernel(
         d = tl.load(u + at_v, mask=mask_v, other=0.0) - _mm(tl.load(w + at_k, mask=mask_k, other=0.0), S, None,
                                                              PRECISION)
         tl.store(delta + at_v, d, mask=mask_v)
-        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
-        S = _mm(tl.trans(hands), d, S * tl.load(decay + tile), PRECISION)
+        K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
+        S = _mm(tl.trans(K * e_after[:, None]), d, S * tl.load(decay + tile), PRECISION)
     tl.store(final + state_at, S, mask=state_mask)
 
 
 @triton.jit
 def _scan_backward_kernel(
-    w, handing, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
+    w, k, after, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_FINAL_GRAD: tl.constexpr, PRECISION: tl.constexpr,
@@ -125,8 +142,8 @@ def _scan_backward_kernel(
         tl.store(grad_after + at, G, mask=mask)
         at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
         at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
-        hands = tl.load(handing + at_k, mask=mask_k, other=0.0)
-        dd = _mm(hands, G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
+        K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
+        dd = _mm(K * e_after[:, None], G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
         tl.store(delta_grad + at_v, dd, mask=mask_v)
         W = tl.load(w + at_k, mask=mask_k, other=0.0)
         G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
@@ -135,34 +152,108 @@ def _scan_backward_kernel(
 
 
 @triton.jit
+def _state_grads_kernel(
+    k, after, decay, states, grad_after, delta, delta_grad, dw, dk, d_after, d_last,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """What a chunk's inputs get through the state, per (chunk, head), from its entering state S, G (the gradient of
+    the state leaving it), Δ and dΔ: ``dW = −dΔ Sᵀ``; ``d(K ⊙ e^{D_C − D}) = Δ Gᵀ``, whose K part it adds to ``dk``
+    and whose e^{D_C − D} part it writes per row; and ``e^{D_C}``'s, ``Σ S ⊙ G``, times e^{D_C} (the gradient of the
+    chunk's summed gate). dW and Δ Gᵀ sum over value blocks."""
+    tile = tl.program_id(0).to(tl.int64)
+    d_w = tl.zeros([BC, BK], dtype=tl.float32)
+    d_hands = tl.zeros([BC, BK], dtype=tl.float32)
+    through_decay = 0.0
+    for v0 in range(0, DV, BV):
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        S = tl.load(states + at, mask=mask, other=0.0)
+        G = tl.load(grad_after + at, mask=mask, other=0.0)
+        d_w = _mm(tl.load(delta_grad + at_v, mask=mask_v, other=0.0), tl.trans(S), d_w, PRECISION)
+        d_hands = _mm(tl.load(delta + at_v, mask=mask_v, other=0.0), tl.trans(G), d_hands, PRECISION)
+        through_decay += tl.sum(S * G)
+    K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    tl.store(dw + at_k, -d_w, mask=mask_k)
+    tl.store(dk + at_k, tl.load(dk + at_k, mask=mask_k, other=0.0) + d_hands * e_after[:, None], mask=mask_k)
+    rows = tl.arange(0, BC)
+    tl.store(d_after + tile * C + rows, tl.sum(d_hands * K, 1) * e_after, mask=rows < C)
+    tl.store(d_last + tile, through_decay * tl.load(decay + tile))
+
+
+@triton.jit
+def _output_factors(q, k, log_decay, tile, C: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """The output stage's factors of one chunk: Q, K ``[BC, BK]``, D (the log-gate summed from the chunk's start),
+    Q Kᵀ and Γ, masked to the causal triangle of the chunk's rows before ``exp`` (no overflow; rows past C, whose D
+    reads 0, get none either)."""
+    rows = tl.arange(0, BC)
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    Q = tl.load(q + at_k, mask=mask_k, other=0.0)
+    K = tl.load(k + at_k, mask=mask_k, other=0.0)
+    d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
+    causal = (rows[:, None] >= rows[None, :]) & (rows < C)[:, None]
+    gamma = tl.exp(tl.where(causal, d[:, None] - d[None, :], float("-inf")))
+    return Q, K, d, _mm(Q, tl.trans(K), None, PRECISION), gamma
+
+
+@triton.jit
 def _scan_output_kernel(
     q, k, w, u, log_decay, initial, out, final, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The forward scan with the output stage inside, for a forward nothing differentiates: per chunk, from the
-    state in registers, Δ = U − W S and O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ, then S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ.
-    Neither the per-chunk states nor Δ reach memory. ``log_decay`` is D, the log-gate summed from the chunk's
-    start."""
+    """The forward scan with the output stage inside: per chunk, from the state in registers, Δ = U − W S and
+    O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ, then S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ. Neither the per-chunk states nor Δ
+    reach memory. ``log_decay`` is D, the log-gate summed from the chunk's start."""
     i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
-    rows = tl.arange(0, BC)
-    causal = rows[:, None] >= rows[None, :]
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
         at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
         at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
-        Q = tl.load(q + at_k, mask=mask_k, other=0.0)
-        K = tl.load(k + at_k, mask=mask_k, other=0.0)
-        d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
-        d_last = tl.load(log_decay + tile * C + C - 1)
         delta = tl.load(u + at_v, mask=mask_v, other=0.0) - _mm(tl.load(w + at_k, mask=mask_k, other=0.0), S, None,
                                                                 PRECISION)
-        gamma = tl.exp(tl.where(causal, d[:, None] - d[None, :], float("-inf")))  # masked before exp: no overflow
-        scores = _mm(Q, tl.trans(K), None, PRECISION) * gamma
-        o = _mm(scores, delta, _mm(Q * tl.exp(d)[:, None], S, None, PRECISION), PRECISION)
+        Q, K, d, QK, gamma = _output_factors(q, k, log_decay, tile, C, DK, BC, BK, PRECISION)
+        d_last = tl.load(log_decay + tile * C + C - 1)
+        o = _mm(QK * gamma, delta, _mm(Q * tl.exp(d)[:, None], S, None, PRECISION), PRECISION)
         tl.store(out + at_v, o, mask=mask_v)
         S = _mm(tl.trans(K * tl.exp(d_last - d)[:, None]), delta, S * tl.exp(d_last), PRECISION)
     tl.store(final + state_at, S, mask=state_mask)
+
+
+@triton.jit
+def _output_backward_kernel(
+    q, k, log_decay, states, delta, d_out, d_states, d_delta, dq, dk, dlog,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """The output stage's adjoint per (chunk, head), from dO and the chunk's entering state S and Δ, with
+    P = Q Kᵀ ⊙ Γ: the gradients of S, ``(Q ⊙ e^D)ᵀ dO``, and of Δ, ``Pᵀ dO`` (value block by value block, while
+    dP = dO Δᵀ and d(Q ⊙ e^D) = dO Sᵀ sum over them), then dQ, the Q Kᵀ part of dK, and D's gradient through e^D
+    and through Γ below the diagonal (its diagonal is the constant 1)."""
+    tile = tl.program_id(0).to(tl.int64)
+    Q, K, d, QK, gamma = _output_factors(q, k, log_decay, tile, C, DK, BC, BK, PRECISION)
+    scores = QK * gamma
+    QD = Q * tl.exp(d)[:, None]
+    d_scores = tl.zeros([BC, BC], dtype=tl.float32)
+    d_QD = tl.zeros([BC, BK], dtype=tl.float32)
+    for v0 in range(0, DV, BV):
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        dO = tl.load(d_out + at_v, mask=mask_v, other=0.0)
+        tl.store(d_states + at, _mm(tl.trans(QD), dO, None, PRECISION), mask=mask)
+        tl.store(d_delta + at_v, _mm(tl.trans(scores), dO, None, PRECISION), mask=mask_v)
+        d_scores = _mm(dO, tl.trans(tl.load(delta + at_v, mask=mask_v, other=0.0)), d_scores, PRECISION)
+        d_QD = _mm(dO, tl.trans(tl.load(states + at, mask=mask, other=0.0)), d_QD, PRECISION)
+    dQK = d_scores * gamma
+    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
+    tl.store(dq + at_k, _mm(dQK, K, d_QD * tl.exp(d)[:, None], PRECISION), mask=mask_k)
+    tl.store(dk + at_k, _mm(tl.trans(dQK), Q, None, PRECISION), mask=mask_k)
+    rows = tl.arange(0, BC)
+    weighted = tl.where(rows[:, None] > rows[None, :], dQK * QK, 0.0)  # dΓ ⊙ Γ below the diagonal
+    dd = tl.sum(d_QD * QD, 1) + tl.sum(weighted, 1) - tl.sum(weighted, 0)
+    tl.store(dlog + tile * C + rows, dd, mask=rows < C)
 
 
 @triton.jit
@@ -175,7 +266,7 @@ def _chunk_factors(k, beta, log_decay, tile, C: tl.constexpr, DK: tl.constexpr, 
     K = tl.load(k + at_k, mask=mask_k, other=0.0)
     b = tl.load(beta + tile * C + rows, mask=rows < C, other=0.0)
     d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
-    strict = rows[:, None] > rows[None, :]
+    strict = (rows[:, None] > rows[None, :]) & (rows < C)[:, None]  # rows past C (D reads 0) too: no overflow
     decay = tl.exp(tl.where(strict, d[:, None] - d[None, :], float("-inf")))
     return K, b, d, _mm(K, tl.trans(K), None, PRECISION), decay, strict
 
@@ -243,32 +334,70 @@ def _ut_backward_kernel(
     tl.store(dlog + tile * C + rows, dd, mask=rows < C)
 
 
-class _UT(torch.autograd.Function):
-    """The per-chunk UT transform ``(K, V, β, D)`` → ``(W, U)``, chunk tensors ``[n, H, C, *]`` (fp32,
-    contiguous), every (chunk, head) a program; A is kept for backward (``C`` numbers per token and head)."""
+class _Block(torch.autograd.Function):
+    """One block of chunks: its padded token rows ``q, k, v [n·C, H, *]``, ``beta, g [n·C, H]`` (input dtypes) and
+    the state each of its documents starts from (``starting [docs, H, Dk, Dv]``, fp32) → its output rows (input
+    dtype) and the state after each document's chunks. ``first_chunk``: each document's first chunk, and n last.
+
+    Forward is two kernels, the UT transform and the scan with the output stage inside, and keeps only its inputs.
+    Backward recomputes A, W, U and the per-chunk states (the UT and scan kernels; not O, which it does not need),
+    then differentiates by hand: the output stage's adjoint, the reverse scan, what each chunk gets through the
+    state, the UT transform's gradient, and the gates' share of each gathered into g's gradient."""
 
     @staticmethod
-    def forward(ctx, k, v, beta, log_decay, precision):
-        n, heads, size, dk = k.shape
-        dv = v.shape[-1]
-        a = k.new_empty(n, heads, size, size)
-        w, u = torch.empty_like(k), torch.empty_like(v)
-        geometry = _ut_geometry(size, dk, dv, precision)
-        _ut_forward_kernel[(n * heads,)](k, v, beta, log_decay, a, w, u, **geometry)
-        ctx.save_for_backward(k, v, beta, log_decay, a)
-        ctx.geometry = geometry
-        return w, u
+    def forward(ctx, q, k, v, beta, g, starting, first_chunk, chunks, precision):
+        Q, K, V, B, G = (_chunk_rows(x, chunks) for x in (q, k, v, beta, g))
+        D = G.cumsum(-1)
+        _, W, U = _ut_forward(K, V, B, D, precision)
+        out, final = _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision)
+        ctx.save_for_backward(q, k, v, beta, g, starting, first_chunk)
+        ctx.chunks, ctx.precision = chunks, precision
+        ctx.set_materialize_grads(False)
+        return _token_rows(out, q.dtype), final
 
     @staticmethod
-    def backward(ctx, dw, du):
-        k, v, beta, log_decay, a = ctx.saved_tensors
-        dw = torch.zeros_like(k) if dw is None else dw.contiguous()
-        du = torch.zeros_like(v) if du is None else du.contiguous()
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        dbeta, dlog = torch.empty_like(beta), torch.empty_like(log_decay)
-        _ut_backward_kernel[(k.shape[0] * k.shape[1],)](k, v, beta, log_decay, a, dw, du, dk, dv, dbeta, dlog,
-                                                        **ctx.geometry)
-        return dk, dv, dbeta, dlog, None
+    def backward(ctx, d_rows, d_final):
+        q, k, v, beta, g, starting, first_chunk = ctx.saved_tensors
+        chunks, precision = ctx.chunks, ctx.precision
+        Q, K, V, B, G = (_chunk_rows(x, chunks) for x in (q, k, v, beta, g))
+        D = G.cumsum(-1)  # [n, H, C]
+        # D_C − D as a sum of the later gates, not a difference, and the last token's e^{D_C − D} the constant 1 (as
+        # is Γ's diagonal in the output kernels): as D_i − D_i their gradients would be ± terms of size 1 that cancel
+        # in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
+        after = F.pad(G.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+        decay = D[..., -1].exp()
+        A, W, U = _ut_forward(K, V, B, D, precision)
+        states, delta = _scan_forward(W, U, K, after, decay, starting, first_chunk, precision)
+        dO = torch.zeros_like(U) if d_rows is None else _chunk_rows(d_rows, chunks)
+        d_states, d_delta_out, dQ, dK, dD_out = _output_backward(Q, K, D, states, delta, dO, precision)
+        grad_after, d_delta, d_starting = _scan_backward(W, K, after, decay, d_states, d_delta_out, d_final,
+                                                         first_chunk, precision)
+        dW, d_after, d_last = _state_grads(K, after, decay, states, grad_after, delta, d_delta, dK, precision)
+        dK_ut, dV, dB, dD_ut = _ut_backward(K, V, B, D, A, dW, d_delta, precision)
+        dK += dK_ut
+        # the last token's e^{D_C − D} is a constant (no gate follows it); D_C is the sum of every gate of the chunk
+        d_after = F.pad(d_after[..., :-1], (1, 0)).cumsum(-1)
+        dG = (dD_ut + dD_out).flip(-1).cumsum(-1).flip(-1) + d_after + d_last[..., None]
+        grads = (_token_rows(x, t.dtype) for x, t in zip((dQ, dK, dV, dB, dG), (q, k, v, beta, g)))
+        return *grads, d_starting, None, None, None
+
+
+def _ut_forward(K, V, B, D, precision):
+    """The UT transform of chunk tensors ``[n, H, C, *]`` (fp32, contiguous), every (chunk, head) a program →
+    (A, W, U)."""
+    n, heads, size, dk = K.shape
+    a = K.new_empty(n, heads, size, size)
+    w, u = torch.empty_like(K), torch.empty_like(V)
+    _ut_forward_kernel[(n * heads,)](K, V, B, D, a, w, u, **_ut_geometry(size, dk, V.shape[-1], precision))
+    return a, w, u
+
+
+def _ut_backward(K, V, B, D, A, dW, dU, precision):
+    """The UT transform's gradient → the gradients of K, V, β and D."""
+    dk, dv, dbeta, dlog = (torch.empty_like(x) for x in (K, V, B, D))
+    _ut_backward_kernel[(K.shape[0] * K.shape[1],)](K, V, B, D, A, dW, dU, dk, dv, dbeta, dlog,
+                                                    **_ut_geometry(K.shape[2], K.shape[3], V.shape[-1], precision))
+    return dk, dv, dbeta, dlog
 
 
 def _ut_geometry(size, dk, dv, precision) -> dict:
@@ -278,46 +407,57 @@ def _ut_geometry(size, dk, dv, precision) -> dict:
                 PRECISION=precision, **UT_CONFIG)
 
 
-class _Scan(torch.autograd.Function):
-    """``(W, U, K ⊙ e^{D_C − D}, e^{D_C}, initial)`` → (the state entering each chunk, Δ, the state after each
-    document's chunks). Chunk tensors ``[n, H, C, *]`` (fp32, contiguous), ``decay [n, H]``, states
-    ``[*, H, Dk, Dv]``; ``first_chunk``: each document's first chunk, and n last."""
-
-    @staticmethod
-    def forward(ctx, w, u, handing, decay, initial, first_chunk, precision):
-        n, heads, size, dk = w.shape
-        dv, docs = u.shape[-1], first_chunk.numel() - 1
-        states = w.new_empty(n, heads, dk, dv)
-        delta = torch.empty_like(u)
-        final = w.new_empty(docs, heads, dk, dv)
-        geometry = _geometry(heads, size, dk, dv, precision)
-        _scan_forward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-            w, u, handing, decay, initial, states, delta, final, first_chunk, **geometry)
-        ctx.save_for_backward(w, handing, decay, states, delta, first_chunk)
-        ctx.geometry = geometry
-        return states, delta, final
-
-    @staticmethod
-    def backward(ctx, d_states, d_delta, d_final):
-        w, handing, decay, states, delta, first_chunk = ctx.saved_tensors
-        heads, dv, docs = w.shape[1], delta.shape[-1], first_chunk.numel() - 1
-        d_states = torch.zeros_like(states) if d_states is None else d_states.contiguous()
-        d_delta = torch.zeros_like(delta) if d_delta is None else d_delta.contiguous()
-        grad_after, delta_grad = torch.empty_like(states), torch.empty_like(delta)
-        d_initial = states.new_empty(docs, *states.shape[1:])
-        _scan_backward_kernel[(docs * heads, triton.cdiv(dv, ctx.geometry["BV"]))](
-            w, handing, decay, d_states, d_delta, d_initial if d_final is None else d_final.contiguous(),
-            grad_after, delta_grad, d_initial, first_chunk, HAS_FINAL_GRAD=d_final is not None, **ctx.geometry)
-        d_w = -(delta_grad @ states.mT)
-        d_handing = delta @ grad_after.mT
-        d_decay = (states * grad_after).sum((-2, -1))
-        return d_w, delta_grad, d_handing, d_decay, d_initial, None, None
+def _scan_forward(W, U, K, after, decay, starting, first_chunk, precision):
+    """``(W, U, K, D_C − D, e^{D_C})`` (chunk tensors ``[n, H, C, *]``, ``decay [n, H]``; fp32, contiguous) from
+    ``starting`` → the state entering each chunk ``[n, H, Dk, Dv]`` and Δ."""
+    n, heads, size, dk = W.shape
+    dv, docs = U.shape[-1], first_chunk.numel() - 1
+    states, delta = W.new_empty(n, heads, dk, dv), torch.empty_like(U)
+    final = W.new_empty(docs, heads, dk, dv)  # the forward's, again
+    geometry = _geometry(size, dk, dv, precision)
+    _scan_forward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
+        W, U, K, after, decay, starting, states, delta, final, first_chunk, H=heads, **geometry)
+    return states, delta
 
 
-def _geometry(heads, size, dk, dv, precision) -> dict:
+def _scan_backward(W, K, after, decay, d_states, d_delta, d_final, first_chunk, precision):
+    """The scan's adjoint, from what the output stage hands back for each chunk's entering state and Δ, and the
+    final states' gradient (None: none) → G (the gradient of the state leaving each chunk), Δ's whole gradient, and
+    the starting states'."""
+    heads, dv, docs = W.shape[1], d_delta.shape[-1], first_chunk.numel() - 1
+    grad_after, delta_grad = torch.empty_like(d_states), torch.empty_like(d_delta)
+    d_starting = d_states.new_empty(docs, *d_states.shape[1:])
+    geometry = _geometry(W.shape[2], W.shape[3], dv, precision)
+    _scan_backward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
+        W, K, after, decay, d_states, d_delta, d_starting if d_final is None else d_final.contiguous(), grad_after,
+        delta_grad, d_starting, first_chunk, H=heads, HAS_FINAL_GRAD=d_final is not None, **geometry)
+    return grad_after, delta_grad, d_starting
+
+
+def _state_grads(K, after, decay, states, grad_after, delta, d_delta, dk, precision):
+    """After the reverse scan, every (chunk, head) a program: dW, and the gradients of e^{D_C − D} per token and of
+    the chunk's summed gate; adds K's share to ``dk``."""
+    n, heads, size, dk_width = K.shape
+    dw, d_after, d_last = torch.empty_like(K), torch.empty_like(after), torch.empty_like(decay)
+    _state_grads_kernel[(n * heads,)](K, after, decay, states, grad_after, delta, d_delta, dw, dk, d_after, d_last,
+                                      **dict(_geometry(size, dk_width, delta.shape[-1], precision), **UT_CONFIG))
+    return dw, d_after, d_last
+
+
+def _output_backward(Q, K, D, states, delta, dO, precision):
+    """The output stage's adjoint, every (chunk, head) a program → the gradients of the entering states and Δ it
+    hands the reverse scan, dQ, its part of dK, and its part of D's."""
+    n, heads, size, dk = Q.shape
+    d_states, d_delta, dq, dk_out, dlog = (torch.empty_like(x) for x in (states, delta, Q, K, D))
+    _output_backward_kernel[(n * heads,)](Q, K, D, states, delta, dO, d_states, d_delta, dq, dk_out, dlog,
+                                          **dict(_geometry(size, dk, dO.shape[-1], precision), **UT_CONFIG))
+    return d_states, d_delta, dq, dk_out, dlog
+
+
+def _geometry(size, dk, dv, precision) -> dict:
     """The kernels' shapes and launch settings: blocks of at least 16 (``tl.dot``), powers of two, masked to the real
     widths."""
-    return dict(H=heads, C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
+    return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
                 BK=max(16, triton.next_power_of_2(dk)),
                 BV=min(CONFIG["value_block"], max(16, triton.next_power_of_2(dv))), PRECISION=precision,
                 num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
@@ -395,58 +535,37 @@ def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int,
 def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str):
     """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta, g [·, H]``) from ``entering`` (the
     state of the document running into chunk lo, if one does) → their ``o`` rows (input dtype), the state of the
-    document running past chunk hi-1 (if one does) and the final states of the documents ending in them.
-
-    Without autograd (the forward pass, whose backward reruns the block with it; decoding's prefill) the output
-    stage runs inside the scan; with it, in pieces autograd differentiates."""
-    dtype = q.dtype
-    differentiated = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, beta, g, entering, initial))
-    Q, K, V, B, G = (_chunk_rows(x, hi - lo) for x in (q, k, v, beta, g))
-    D = G.cumsum(-1)  # [n, H, C]
-    W, U = _UT.apply(K, V, B, D, precision)
+    document running past chunk hi-1 (if one does) and the final states of the documents ending in them."""
     d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
     given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
     starting = (torch.cat([entering[None], given[1:]]) if runs_in else given).contiguous()
-    if differentiated:
-        out, leaving = _output_in_pieces(Q, K, G, D, W, U, starting, first_chunk, precision)
-    else:
-        out, leaving = _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision)
-    rows = out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]).to(dtype)
+    rows, leaving = _Block.apply(q, k, v, beta, g, starting, first_chunk, hi - lo, precision)
     return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
 
 
 def _chunk_rows(x: torch.Tensor, chunks: int) -> torch.Tensor:
     """Padded rows ``[n·C, H, *]`` → contiguous chunk tensors ``[n, H, C, *]`` in the accumulation dtype, in one copy
     (upcasting, then laying out, would write and read an fp32 copy twice)."""
-    chunked = x.view(chunks, x.shape[0] // chunks, *x.shape[1:]).transpose(1, 2)
+    chunked = x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]).transpose(1, 2)
     accumulation = torch.promote_types(x.dtype, torch.float32)
     return chunked.to(accumulation, memory_format=torch.contiguous_format).contiguous()  # (same dtype: .to keeps it)
 
 
-def _output_in_pieces(Q, K, G, D, W, U, starting, first_chunk, precision):
-    """``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ`` from the scan's per-chunk states and Δ, batched over chunks → (O, the
-    state after each document's chunks)."""
-    size = Q.shape[-2]
-    below = torch.ones(size, size, dtype=torch.bool, device=Q.device).tril(-1)
-    # Γ, its diagonal (e^0) and the last token's e^{D_C − D} a constant 1: as D_i − D_i, their gradients would be
-    # ±terms of size 1 that cancel in g's gradient, which is ~α where gates are strong (g ≈ −20: α ≈ 2e-9)
-    decay = torch.where(below, D[..., :, None] - D[..., None, :], float("-inf")).exp() + below.new_ones(size).diag()
-    after = torch.cat([G.flip(-1).cumsum(-1).flip(-1)[..., 1:], G.new_zeros(*G.shape[:-1], 1)], -1)  # D_C − D
-    handing = K * after.exp()[..., None]
-    states, delta, leaving = _Scan.apply(W, U, handing.contiguous(), D[..., -1].exp().contiguous(), starting,
-                                         first_chunk, precision)
-    return (Q * D.exp()[..., None]) @ states + (Q @ K.mT * decay) @ delta, leaving
+def _token_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Chunk tensors ``[n, H, C, *]`` → padded rows ``[n·C, H, *]`` in ``dtype``, in one copy (as ``_chunk_rows``)."""
+    rows = x.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return rows.reshape(-1, x.shape[1], *x.shape[3:])  # (same dtype: .to keeps the layout, reshape copies)
 
 
 def _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision):
-    """The same ``(O, leaving states)`` from one kernel that keeps each chunk's state and Δ in registers."""
+    """``O = (Q ⊙ e^D) S_in + (Q Kᵀ ⊙ Γ) Δ`` and the state after each document's chunks, from one kernel that keeps
+    each chunk's state and Δ in registers."""
     n, heads, size, dk = Q.shape
     dv, docs = U.shape[-1], first_chunk.numel() - 1
     out, final = torch.empty_like(U), Q.new_empty(docs, heads, dk, dv)
-    geometry = _geometry(heads, size, dk, dv, precision)
+    geometry = _geometry(size, dk, dv, precision)
     _scan_output_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-        Q, K, W, U, D, starting, out, final, first_chunk, **geometry)
+        Q, K, W, U, D, starting, out, final, first_chunk, H=heads, **geometry)
     return out, final
 
 
@@ -470,6 +589,6 @@ def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fin
     plan = dict(zip(blocks, layout.plan(blocks)))
     entering = q.new_zeros(heads, dk, dv, dtype=torch.float32)  # no document runs into the first chunk
     block = partial(_block, plan=plan, precision=precision)
-    rows, _, finals = in_blocks(block, blocks, chunk_size, tokens, entering, initial_state)
+    rows, _, finals = in_blocks(block, blocks, chunk_size, tokens, entering, initial_state, recompute=False)
     o = layout.unpad(rows).view(batch, length, heads, dv)
     return (o, torch.cat(finals)) if output_final_state else o
