@@ -38,7 +38,7 @@ def test_gated_deltanet_is_deltanet_with_the_gate():
 
 
 def test_kda_gate_bias_is_where_its_output_gate_starts():
-    """With the gate's weights and bias at zero the gate is sigmoid(gate_bias) everywhere, so the output scales with it."""
+    """With the gate's weights and bias at zero it is sigmoid(gate_bias) everywhere: the output scales with it."""
     x = torch.randn(2, 9, DIM)
     outs = []
     for bias in (0.0, -2.0):
