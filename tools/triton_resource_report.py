@@ -3,7 +3,7 @@ delta_rule``) for a GPU that is not here, and print what the compiler gives each
 
     python tools/triton_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
     python tools/triton_resource_report.py --op delta_rule   # at the module's CONFIG and UT_CONFIG
-    python tools/triton_resource_report.py --op delta_rule --configs 16,4,2 --ut-configs 4,1
+    python tools/triton_resource_report.py --op delta_rule --configs 16,4,1 --ut-configs 32,4,1
 
 For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
 (wgmma) instructions in the SASS, and shared memory, per (channel block, warps, pipeline stages, chunk). Needs no
@@ -61,6 +61,10 @@ IN_DTYPE = {"linear": ("q", "k", "v", "o", "g", "dq", "dk", "dv"),
             "delta_rule": ()}
 
 
+# Shared memory one block may have, by compute capability ×10 (CUDA's programming guide: 227 KiB on sm_90)
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+
+
 def report(fn, constexprs, warps, stages, arch, dtype, op):
     src = ASTSource(fn=fn, signature=signature(fn, dtype, constexprs, IN_DTYPE[op]), constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -76,9 +80,10 @@ def report(fn, constexprs, warps, stages, arch, dtype, op):
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
     local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
+    smem = compiled.metadata.shared
+    over = " (over the block limit: will not launch)" if smem > SHARED_LIMIT.get(arch, smem) else ""
     return (f"regs {regs.group(1) if regs else '?':>3}  stack {stack.group(1) if stack else '?':>5} B  "
-            f"local ld/st {local:5d}  HGMMA {sass.count('HGMMA'):3d}  "
-            f"smem {compiled.metadata.shared:6d} B")
+            f"local ld/st {local:5d}  HGMMA {sass.count('HGMMA'):3d}  smem {smem:6d} B{over}")
 
 
 def linear_kernels(a, block, chunk):
@@ -113,24 +118,29 @@ def linear_kernels(a, block, chunk):
 
 def delta_rule_kernels(a, chunk, scan=None, per_chunk=None):
     """(name, kernel, constexprs with num_warps and num_stages) of every kernel of the delta rule's Triton form, at
-    the shapes and launch settings its launchers use (``_geometry``, ``_ut_geometry``); ``scan`` (value block,
-    warps, stages) replaces ``CONFIG`` and ``per_chunk`` (warps, stages) ``UT_CONFIG`` where given."""
-    d = a.head_dim
-    tiled = delta_kernels._geometry(chunk, d, d, "tf32")  # the scans; with UT_CONFIG's warps the per-chunk ones
-    whole = delta_kernels._ut_geometry(chunk, d, d, "tf32")  # the UT kernels: every channel in one program
+    the shapes and launch settings its launchers use (``_geometry``, ``_ut_geometry``, ``_ut_backward_geometry``);
+    ``scan`` (value block, warps, stages) replaces ``CONFIG`` and ``per_chunk`` (the UT backward's channel block,
+    warps, stages) ``UT_CONFIG`` where given."""
+    shapes = (chunk, a.head_dim, a.head_dim, "tf32")
+    scans = dict(delta_kernels._geometry(*shapes), H=a.heads)
+    per_tile = delta_kernels._per_chunk_geometry(*shapes)  # the output adjoint, the state gradients
+    whole = delta_kernels._ut_geometry(*shapes)  # the UT forward: every channel in one program
+    ut_backward = delta_kernels._ut_backward_geometry(*shapes)
     if scan:
-        tiled.update(BV=scan[0], num_warps=scan[1], num_stages=scan[2])
+        scans.update(BV=scan[0], num_warps=scan[1], num_stages=scan[2])
+        per_tile.update(BV=scan[0])
     if per_chunk:
-        whole.update(num_warps=per_chunk[0], num_stages=per_chunk[1])
-    per_tile = dict(tiled, num_warps=whole["num_warps"], num_stages=whole["num_stages"])
-    scans = dict(tiled, H=a.heads)
+        launch = dict(num_warps=per_chunk[1], num_stages=per_chunk[2])
+        for geometry in (per_tile, whole, ut_backward):
+            geometry.update(launch)
+        ut_backward.update(BW=per_chunk[0])
     return (("ut fwd", delta_kernels._ut_forward_kernel, whole),
             ("scan+output", delta_kernels._scan_output_kernel, scans),
             ("scan fwd", delta_kernels._scan_forward_kernel, scans),
             ("output adj", delta_kernels._output_backward_kernel, per_tile),
             ("scan bwd", delta_kernels._scan_backward_kernel, dict(scans, HAS_FINAL_GRAD=False)),
             ("state grads", delta_kernels._state_grads_kernel, per_tile),
-            ("ut bwd", delta_kernels._ut_backward_kernel, whole))
+            ("ut bwd", delta_kernels._ut_backward_kernel, ut_backward))
 
 
 def settings(text, count):
@@ -148,8 +158,8 @@ def main():
                         "value channels), warps, stages (default: 64,8,2 128,8,2 64,4,2 32,8,2; the delta rule: its "
                         "CONFIG)")
     p.add_argument("--ut-configs", nargs="+",
-                   help="delta_rule: warps, stages of the kernels with one program per chunk and head (default: its "
-                        "UT_CONFIG)")
+                   help="delta_rule: the UT backward's channel block, and warps, stages of every kernel with one "
+                        "program per chunk and head (default: its UT_CONFIG)")
     p.add_argument("--chunks", nargs="+", type=int, default=[64])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=32)
@@ -165,13 +175,10 @@ def main():
     for chunk in a.chunks:
         if a.op == "delta_rule":
             for scan in [settings(c, 3) for c in a.configs] if a.configs else [None]:
-                for per_chunk in [settings(c, 2) for c in a.ut_configs] if a.ut_configs else [None]:
-                    found = delta_rule_kernels(a, chunk, scan, per_chunk)
-                    print(f"chunk={chunk} (delta_rule, sm_{a.arch}, Dk=Dv={a.head_dim}; scans "
-                          f"{'value block, warps, stages ' + ','.join(map(str, scan)) if scan else 'CONFIG'}, per "
-                          f"chunk {'warps, stages ' + ','.join(map(str, per_chunk)) if per_chunk else 'UT_CONFIG'})",
-                          flush=True)
-                    show(a, ((name, fn, dict(c)) for name, fn, c in found))
+                for per_chunk in [settings(c, 3) for c in a.ut_configs] if a.ut_configs else [None]:
+                    print(f"chunk={chunk} (delta_rule, TF32, sm_{a.arch}, Dk=Dv={a.head_dim}; scans at "
+                          f"{scan or 'CONFIG'}, per chunk at {per_chunk or 'UT_CONFIG'})", flush=True)
+                    show(a, delta_rule_kernels(a, chunk, scan, per_chunk))
             continue
         for cfg in a.configs or ["64,8,2", "128,8,2", "64,4,2", "32,8,2"]:
             block, warps, stages = settings(cfg, 3)
@@ -183,12 +190,16 @@ def main():
 
 
 def show(a, found):
-    """One line per (name, kernel, constexprs with num_warps and num_stages), with its launch settings."""
+    """One line per (name, kernel, constexprs with num_warps and num_stages), with its launch settings (and the
+    delta rule's channel blocks)."""
     for name, fn, constexprs in found:
+        constexprs = dict(constexprs)
         warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
-        block = f", value block {constexprs['BV']}" if a.op == "delta_rule" and "BV" in constexprs else ""
+        blocks = "".join(f", {label} {constexprs[key]}" for key, label in (("BV", "value block"),
+                                                                           ("BW", "channel block"))
+                         if a.op == "delta_rule" and key in constexprs)
         print(f"  {name:12s} {report(fn, constexprs, warps, stages, a.arch, a.dtype, a.op)}  "
-              f"({warps} warps, {stages} stages{block})", flush=True)
+              f"({warps} warps, {stages} stages{blocks})", flush=True)
 
 
 if __name__ == "__main__":
