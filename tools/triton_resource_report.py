@@ -6,9 +6,11 @@ delta_rule``) for a GPU that is not here, and print what the compiler gives each
     python tools/triton_resource_report.py --op delta_rule --configs 16,4,1 --ut-configs 32,4,1
 
 For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
-(wgmma) instructions in the SASS, and shared memory, per (channel block, warps, pipeline stages, chunk). Needs no
-GPU: Triton compiles to a cubin with its own ptxas, and its cuobjdump reads it back. Spills are the one
-question about a launch setting that can be answered without the device.
+(wgmma) instructions in the SASS, shared memory, and how many blocks an SM holds at once by them, per (channel
+block, warps, pipeline stages, chunk). Needs no GPU: Triton compiles to a cubin with its own ptxas, and its
+cuobjdump reads it back. Spills, and blocks per SM, are the questions about a launch setting that can be answered
+without the device; which is faster is not (the linear kernel at 4 warps spills, holds 2 blocks per SM, and ran
+2× the spill-free 8-warp setting's speed: benchmarks/gpu_h200_round4.md).
 """
 import argparse
 import os
@@ -61,8 +63,23 @@ IN_DTYPE = {"linear": ("q", "k", "v", "o", "g", "dq", "dk", "dv"),
             "delta_rule": ()}
 
 
-# Shared memory one block may have, by compute capability ×10 (CUDA's programming guide: 227 KiB on sm_90)
-SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+# An SM's limits by compute capability ×10 (CUDA's programming guide, "compute capabilities"): shared memory per
+# block and per SM (each block also takes 1 KiB there), warps per SM; every one has 64 K registers, given out per
+# warp in units of 256
+SM_LIMITS = {80: (163 * 1024, 164 * 1024, 64), 86: (99 * 1024, 100 * 1024, 48), 89: (99 * 1024, 100 * 1024, 48),
+             90: (227 * 1024, 228 * 1024, 64)}
+
+
+def blocks_per_sm(arch, regs, smem, warps):
+    """How many blocks of a kernel one SM holds at once (its registers, shared memory and warps), 0 if one block's
+    shared memory is over the limit; None for an arch not in ``SM_LIMITS``."""
+    if arch not in SM_LIMITS:
+        return None
+    block_smem, sm_smem, sm_warps = SM_LIMITS[arch]
+    if smem > block_smem:
+        return 0
+    warp_regs = -(-regs * 32 // 256) * 256
+    return min(sm_warps // warps, 65536 // warp_regs // warps, sm_smem // (smem + 1024))
 
 
 def report(fn, constexprs, warps, stages, arch, dtype, op):
@@ -81,9 +98,10 @@ def report(fn, constexprs, warps, stages, arch, dtype, op):
     stack = re.search(r"STACK:(\d+)", usage)
     local = len(re.findall(r"\b(?:LDL|STL)\b", sass))
     smem = compiled.metadata.shared
-    over = " (over the block limit: will not launch)" if smem > SHARED_LIMIT.get(arch, smem) else ""
+    fit = blocks_per_sm(arch, int(regs.group(1)), smem, warps) if regs else None
+    held = "" if fit is None else "  over the block's shared memory" if fit == 0 else f"  {fit} per SM"
     return (f"regs {regs.group(1) if regs else '?':>3}  stack {stack.group(1) if stack else '?':>5} B  "
-            f"local ld/st {local:5d}  HGMMA {sass.count('HGMMA'):3d}  smem {smem:6d} B{over}")
+            f"local ld/st {local:5d}  HGMMA {sass.count('HGMMA'):3d}  smem {smem:6d} B{held}")
 
 
 def linear_kernels(a, block, chunk):
