@@ -60,8 +60,8 @@ MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registe
 CONFIG = dict(value_block=32, num_warps=4, num_stages=1)
 # The kernels with one program per chunk and head (the UT transform and its gradient, the output adjoint, the state
 # gradients; the UT backward in blocks of ``channel_block`` key or value channels): with 8 warps none spills (the UT
-# backward 198 registers; in blocks of 64 it spills 64 B a thread). With 4 warps the UT forward and the output
-# adjoint spill (0.2 and 0.7 KB); with 2 stages the output adjoint spills 32 B and the UT backward does not (230).
+# backward 198 registers, the output adjoint 234; the UT backward in blocks of 64 spills 64 B a thread), nor with 2
+# stages. With 4 warps the output adjoint and the state gradients spill (0.4 KB and 72 B).
 UT_CONFIG = dict(channel_block=32, num_warps=8, num_stages=1)
 # Chunks are walked in blocks whose C×C and C×width temporaries hold about this many numbers each (128 MiB in fp32;
 # 128 chunks of 64 at 32 heads of 128): each block is recomputed on its own in backward, which bounds backward's
@@ -243,30 +243,31 @@ def _output_backward_kernel(
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The output stage's adjoint per (chunk, head), from dO and the chunk's entering state S and Δ, with
-    P = Q Kᵀ ⊙ Γ: the gradients of S, ``(Q ⊙ e^D)ᵀ dO``, and of Δ, ``Pᵀ dO`` (value block by value block, while
-    dP = dO Δᵀ and d(Q ⊙ e^D) = dO Sᵀ sum over them), then dQ, the Q Kᵀ part of dK, and D's gradient through e^D
-    and through Γ below the diagonal (its diagonal is the constant 1)."""
+    P = Q Kᵀ ⊙ Γ: the gradients of S, ``Qᵀ (e^D ⊙ dO)``, and of Δ, ``Pᵀ dO`` (value block by value block, while
+    dP = dO Δᵀ and dO Sᵀ sum over them), then dQ, the Q Kᵀ part of dK, and D's gradient through e^D and through Γ
+    below the diagonal (its diagonal is the constant 1). The gate scales rows of dO and of dO Sᵀ (C × block and the
+    one C × Dk sum), not a copy of Q: 254 registers a thread with ``Q ⊙ e^D`` held, 234 without."""
     tile = tl.program_id(0).to(tl.int64)
     Q, K, d, QK, gamma = _output_factors(q, k, log_decay, tile, C, DK, BC, BK, PRECISION)
+    e_d = tl.exp(d)
     scores = QK * gamma
-    QD = Q * tl.exp(d)[:, None]
     d_scores = tl.zeros([BC, BC], dtype=tl.float32)
-    d_QD = tl.zeros([BC, BK], dtype=tl.float32)
+    d_QD = tl.zeros([BC, BK], dtype=tl.float32)  # dO Sᵀ: the gradient of Q ⊙ e^D
     for v0 in range(0, DV, BV):
         at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
         at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
         dO = tl.load(d_out + at_v, mask=mask_v, other=0.0)
-        tl.store(d_states + at, _mm(tl.trans(QD), dO, None, PRECISION), mask=mask)
+        tl.store(d_states + at, _mm(tl.trans(Q), dO * e_d[:, None], None, PRECISION), mask=mask)
         tl.store(d_delta + at_v, _mm(tl.trans(scores), dO, None, PRECISION), mask=mask_v)
         d_scores = _mm(dO, tl.trans(tl.load(delta + at_v, mask=mask_v, other=0.0)), d_scores, PRECISION)
         d_QD = _mm(dO, tl.trans(tl.load(states + at, mask=mask, other=0.0)), d_QD, PRECISION)
     dQK = d_scores * gamma
     at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
-    tl.store(dq + at_k, _mm(dQK, K, d_QD * tl.exp(d)[:, None], PRECISION), mask=mask_k)
+    tl.store(dq + at_k, _mm(dQK, K, d_QD * e_d[:, None], PRECISION), mask=mask_k)
     tl.store(dk + at_k, _mm(tl.trans(dQK), Q, None, PRECISION), mask=mask_k)
     rows = tl.arange(0, BC)
     weighted = tl.where(rows[:, None] > rows[None, :], dQK * QK, 0.0)  # dΓ ⊙ Γ below the diagonal
-    dd = tl.sum(d_QD * QD, 1) + tl.sum(weighted, 1) - tl.sum(weighted, 0)
+    dd = tl.sum(d_QD * Q, 1) * e_d + tl.sum(weighted, 1) - tl.sum(weighted, 0)
     tl.store(dlog + tile * C + rows, dd, mask=rows < C)
 
 
@@ -292,7 +293,9 @@ def _ut_forward_kernel(
     PRECISION: tl.constexpr,
 ):
     """Per (chunk, head): A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹ by forward substitution, row by row; then
-    W = A (β e^D K), U = A (β V). Writes A too, for backward."""
+    W = A (β e^D K), U = A (β V) as ``(A ⊙ β e^D) K`` and ``(A ⊙ β) V`` (columns of A scaled: C × C tiles, not
+    C × Dk copies of K and V; 243 registers a thread at 8 warps with the copies, 118 without). Writes A too, for
+    backward."""
     tile = tl.program_id(0).to(tl.int64)
     K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
     M = tl.where(strict, b[:, None] * decay * KK, 0.0)
@@ -305,10 +308,9 @@ def _ut_forward_kernel(
     at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
     tl.store(a + at_a, A, mask=mask_a)
     at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
-    tl.store(w + at_k, _mm(A, K * (b * tl.exp(d))[:, None], None, PRECISION), mask=mask_k)
+    tl.store(w + at_k, _mm(A * (b * tl.exp(d))[None, :], K, None, PRECISION), mask=mask_k)
     at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
-    V = tl.load(v + at_v, mask=mask_v, other=0.0)
-    tl.store(u + at_v, _mm(A, V * b[:, None], None, PRECISION), mask=mask_v)
+    tl.store(u + at_v, _mm(A * b[None, :], tl.load(v + at_v, mask=mask_v, other=0.0), None, PRECISION), mask=mask_v)
 
 
 @triton.jit
