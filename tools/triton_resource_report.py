@@ -172,9 +172,9 @@ def settings(text, count):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--configs", nargs="+",
-                   help="channel block (value channels in forward/dv, key channels in dq/dk; the delta rule's scans: "
-                        "value channels), warps, stages (default: 64,8,2 128,8,2 64,4,2 32,8,2; the delta rule: its "
-                        "CONFIG)")
+                   help="channel block (value channels in forward/dv, key channels in dq/dk; the delta rule's: value "
+                        "channels, also of its output adjoint and state gradients), warps, stages (default: 64,8,2 "
+                        "128,8,2 64,4,2 32,8,2; the delta rule: its CONFIG)")
     p.add_argument("--ut-configs", nargs="+",
                    help="delta_rule: the UT backward's channel block, and warps, stages of every kernel with one "
                         "program per chunk and head (default: its UT_CONFIG)")
