@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pretrain.cli_help import HelpFormatter
 from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.delta_rule import delta_rule
+from pretrain.ops.delta_rule import triton as delta_kernels
 from pretrain.ops.linear_attention import linear_attention
 from pretrain.ops.linear_attention import triton as kernels
 
@@ -264,13 +265,32 @@ def sweep(results, T=8192, B=8, H=32, D=128):
     configs = [dict(block=64, num_warps=8, num_stages=2), dict(block=64, num_warps=8, num_stages=3),
                dict(block=32, num_warps=8, num_stages=2), dict(block=32, num_warps=4, num_stages=2),
                dict(block=64, num_warps=4, num_stages=2), dict(block=128, num_warps=8, num_stages=2)]
-    rows = []
-    results["sweep"] = dict(T=T, rows=rows)
-    default = dict(kernels.CONFIG)
+    rows = results.setdefault("sweep", dict(T=T, rows=[]))["rows"]
     for op in ("linear_triton", "decay_triton"):
-        for cfg in configs:
-            for chunk in (64, 128):
-                kernels.CONFIG.update(cfg)
+        timed_settings(rows, op, kernels.CONFIG, configs, (64, 128), B, T, H, D)
+
+
+def sweep_delta(results, T=8192, B=8, H=32, D=128):
+    """Launch settings of the gated delta rule's kernels at one length, the scans' (``CONFIG``) with the others at
+    theirs, then the per-chunk kernels' (``UT_CONFIG``): none of these spills on sm_90 by the resource report, which
+    cannot rank them (benchmarks/notes_triton.md)."""
+    rows = results.setdefault("sweep", dict(T=T, rows=[]))["rows"]
+    scans = [dict(value_block=32, num_warps=4, num_stages=1), dict(value_block=16, num_warps=4, num_stages=1),
+             dict(value_block=64, num_warps=4, num_stages=1)]  # (2 stages: over the fused scan's shared memory)
+    per_chunk = [dict(channel_block=32, num_warps=8, num_stages=2), dict(channel_block=64, num_warps=8, num_stages=1),
+                 dict(channel_block=16, num_warps=8, num_stages=1)]
+    timed_settings(rows, "gated_delta_triton", delta_kernels.CONFIG, scans, (64,), B, T, H, D)
+    timed_settings(rows, "gated_delta_triton", delta_kernels.UT_CONFIG, per_chunk, (64,), B, T, H, D)
+
+
+def timed_settings(rows, op, config, settings, chunks, B, T, H, D):
+    """Forward and forward+backward time of ``op`` with the settings dict ``config`` (a kernel module's, read at
+    each launch) updated to each of ``settings`` in turn, at each chunk size; a row each; ``config`` restored."""
+    default = dict(config)
+    try:
+        for cfg in settings:
+            for chunk in chunks:
+                config.update(cfg)
                 setup = make_ops(B, T, H, D, chunk)[op]
                 r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}  # one the compiler refuses: error
                 error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
@@ -278,7 +298,8 @@ def sweep(results, T=8192, B=8, H=32, D=128):
                              "error": error})
                 log(f"sweep {op} {cfg} chunk={chunk}: " + (error or f"fwd {r['fwd']['ms']:.3f} ms, "
                                                                   f"fwd+bwd {r['fwd+bwd']['ms']:.3f} ms"))
-    kernels.CONFIG.update(default)
+    finally:
+        config.update(default)
 
 
 def segments(results, T=32768, D=128):
@@ -357,6 +378,7 @@ def main():
     p.add_argument("--check", action="store_true", help="correctness of ours on CUDA against fp64 naive")
     p.add_argument("--ceilings", action="store_true", help="copy bandwidth and bf16 matmul rate")
     p.add_argument("--sweep", action="store_true", help="launch settings of our kernels at T=8k")
+    p.add_argument("--sweep-delta", action="store_true", help="launch settings of the gated delta rule's at T=8k")
     p.add_argument("--segments", action="store_true", help="segmented kernels against whole ones at T=32k")
     p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
     p.add_argument("--only", default="", help="comma-separated op names to bench")
@@ -373,7 +395,8 @@ def main():
     DEV = a.device
     results = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
                    triton=triton.__version__,
-                   python=platform.python_version(), cuda=torch.version.cuda, config=dict(kernels.CONFIG))
+                   python=platform.python_version(), cuda=torch.version.cuda, config=dict(kernels.CONFIG),
+                   delta_config=dict(scans=dict(delta_kernels.CONFIG), per_chunk=dict(delta_kernels.UT_CONFIG)))
     try:
         import fla
         results["fla_core"] = getattr(fla, "__version__", "?")
@@ -387,6 +410,8 @@ def main():
             ceilings(results)
         if a.sweep:
             sweep(results)
+        if a.sweep_delta:
+            sweep_delta(results)
         if a.segments:
             segments(results)
         if a.profile:
@@ -404,8 +429,8 @@ def table(results):
     for row in results.get("segments", []):
         log(f"segments {row}")
     for row in results.get("sweep", {}).get("rows", []):
-        log(f"sweep {row.get('op', 'linear_triton')} block={row['block']} w={row['num_warps']} "
-            f"s={row['num_stages']} C={row['chunk']}: "
+        settings = " ".join(f"{k}={v}" for k, v in row.items() if k not in ("op", "chunk", "fwd", "fwd+bwd", "error"))
+        log(f"sweep {row.get('op', 'linear_triton')} {settings} C={row['chunk']}: "
             f"fwd {row['fwd']} fwd+bwd {row['fwd+bwd']} {row['error'] or ''}")
     by = {}
     for r in results.get("bench", []):

@@ -51,12 +51,18 @@ from ..linear_attention.triton import _mm
 from ..recompute import bounded_blocks, in_blocks
 
 MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registers
-# Launch settings, from the compiler's resource report for sm_90 (Dk = Dv = 128, TF32 products; no GPU timed yet):
-# blocks of 32 value channels with 4 warps spill in neither kernel; 64 with 4 or 8 warps spill in the forward.
-CONFIG = dict(value_block=32, num_warps=4, num_stages=2)
-# The UT kernels (one program per chunk and head, every channel): with 8 warps the forward does not spill; the
-# backward spills 1.6 KB a thread at C = 64, Dk = Dv = 128 (2.1 KB with 4 warps).
-UT_CONFIG = dict(num_warps=8, num_stages=1)
+# Launch settings of the scans, from the compiler's resource report for sm_90 (`tools/triton_resource_report.py --op
+# delta_rule`; C = 64, Dk = Dv = 128, TF32 products; no GPU timed yet): blocks of 32 value channels with 4 warps
+# spill in none (the fused forward scan 221 registers; at 8 warps it spills 0.5 KB a thread, at blocks of 64 0.2;
+# blocks of 16 spill in none either, 198).
+# One stage: the fused scan reads four C × Dk fp32 tiles a chunk (W, Q, K twice), 295 KB of shared memory when
+# double-buffered, over the 227 KB a block may have.
+CONFIG = dict(value_block=32, num_warps=4, num_stages=1)
+# The kernels with one program per chunk and head (the UT transform and its gradient, the output adjoint, the state
+# gradients; the UT backward in blocks of ``channel_block`` key or value channels): with 8 warps none spills (the UT
+# backward 198 registers, the output adjoint 234; the UT backward in blocks of 64 spills 64 B a thread), nor with 2
+# stages. With 4 warps the output adjoint and the state gradients spill (0.4 KB and 72 B).
+UT_CONFIG = dict(channel_block=32, num_warps=8, num_stages=1)
 # Chunks are walked in blocks whose C×C and C×width temporaries hold about this many numbers each (128 MiB in fp32;
 # 128 chunks of 64 at 32 heads of 128): each block is recomputed on its own in backward, which bounds backward's
 # peak (a few GB), while the blocks stay few enough that launches do not dominate. Not yet tuned on a GPU.
@@ -103,7 +109,8 @@ def _scan_forward_kernel(
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
-    chunk, Δ = U − W S per token and the state after its chunks. ``decay`` is e^{D_C} per chunk and head."""
+    chunk, Δ = U − W S per token and the state after its chunks. ``decay`` is e^{D_C} per chunk and head. The gate
+    scales Δ's rows, not K's (a C × block tile, not C × Dk: fewer registers)."""
     i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
@@ -115,7 +122,7 @@ def _scan_forward_kernel(
                                                              PRECISION)
         tl.store(delta + at_v, d, mask=mask_v)
         K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
-        S = _mm(tl.trans(K * e_after[:, None]), d, S * tl.load(decay + tile), PRECISION)
+        S = _mm(tl.trans(K), d * e_after[:, None], S * tl.load(decay + tile), PRECISION)
     tl.store(final + state_at, S, mask=state_mask)
 
 
@@ -127,7 +134,8 @@ def _scan_backward_kernel(
     HAS_FINAL_GRAD: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The forward scan's adjoint, chunks in reverse: writes G (the gradient of the state leaving each chunk), the
-    total gradient of Δ per token, and G before the first chunk (the initial state's gradient)."""
+    total gradient of Δ per token, and G before the first chunk (the initial state's gradient). The gate scales the
+    rows of ``K G``, not K (as in the forward scan)."""
     i_nh, i_v = tl.program_id(0), tl.program_id(1)  # (document, head) first: CUDA caps the grid's y at 65535
     i_n, i_h = i_nh // H, i_nh % H
     c0, c1 = tl.load(first_chunk + i_n), tl.load(first_chunk + i_n + 1)
@@ -143,7 +151,7 @@ def _scan_backward_kernel(
         at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
         at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
         K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
-        dd = _mm(K * e_after[:, None], G, tl.load(d_delta + at_v, mask=mask_v, other=0.0), PRECISION)
+        dd = _mm(K, G, None, PRECISION) * e_after[:, None] + tl.load(d_delta + at_v, mask=mask_v, other=0.0)
         tl.store(delta_grad + at_v, dd, mask=mask_v)
         W = tl.load(w + at_k, mask=mask_k, other=0.0)
         G = tl.load(d_states + at, mask=mask, other=0.0) + G * tl.load(decay + tile) \
@@ -206,7 +214,12 @@ def _scan_output_kernel(
 ):
     """The forward scan with the output stage inside: per chunk, from the state in registers, Δ = U − W S and
     O = (Q ⊙ e^D) S + (Q Kᵀ ⊙ Γ) Δ, then S ← e^{D_C} S + (K ⊙ e^{D_C − D})ᵀ Δ. Neither the per-chunk states nor Δ
-    reach memory. ``log_decay`` is D, the log-gate summed from the chunk's start."""
+    reach memory. ``log_decay`` is D, the log-gate summed from the chunk's start.
+
+    Besides the state it holds C × block tiles (Δ, O) and C × C ones (Q Kᵀ, Γ), but no C × Dk tile of its own: the
+    gates scale rows of the products, ``e^D ⊙ (Q S)`` and ``Kᵀ (e^{D_C − D} ⊙ Δ)``, not Q and K, so Q, K and W go
+    from memory straight into products; K is read twice, as the first read's registers would otherwise live from
+    Q Kᵀ to the state's update (with Q ⊙ e^D and K ⊙ e^{D_C − D} formed and K kept, it spilled 1 KB a thread)."""
     i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
@@ -216,9 +229,10 @@ def _scan_output_kernel(
                                                                 PRECISION)
         Q, K, d, QK, gamma = _output_factors(q, k, log_decay, tile, C, DK, BC, BK, PRECISION)
         d_last = tl.load(log_decay + tile * C + C - 1)
-        o = _mm(QK * gamma, delta, _mm(Q * tl.exp(d)[:, None], S, None, PRECISION), PRECISION)
+        o = _mm(QK * gamma, delta, _mm(Q, S, None, PRECISION) * tl.exp(d)[:, None], PRECISION)
         tl.store(out + at_v, o, mask=mask_v)
-        S = _mm(tl.trans(K * tl.exp(d_last - d)[:, None]), delta, S * tl.exp(d_last), PRECISION)
+        K = tl.load(k + at_k, mask=mask_k, other=0.0)  # again: the first K's registers end with Q Kᵀ
+        S = _mm(tl.trans(K), delta * tl.exp(d_last - d)[:, None], S * tl.exp(d_last), PRECISION)
     tl.store(final + state_at, S, mask=state_mask)
 
 
@@ -229,30 +243,31 @@ def _output_backward_kernel(
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The output stage's adjoint per (chunk, head), from dO and the chunk's entering state S and Δ, with
-    P = Q Kᵀ ⊙ Γ: the gradients of S, ``(Q ⊙ e^D)ᵀ dO``, and of Δ, ``Pᵀ dO`` (value block by value block, while
-    dP = dO Δᵀ and d(Q ⊙ e^D) = dO Sᵀ sum over them), then dQ, the Q Kᵀ part of dK, and D's gradient through e^D
-    and through Γ below the diagonal (its diagonal is the constant 1)."""
+    P = Q Kᵀ ⊙ Γ: the gradients of S, ``Qᵀ (e^D ⊙ dO)``, and of Δ, ``Pᵀ dO`` (value block by value block, while
+    dP = dO Δᵀ and dO Sᵀ sum over them), then dQ, the Q Kᵀ part of dK, and D's gradient through e^D and through Γ
+    below the diagonal (its diagonal is the constant 1). The gate scales rows of dO and of dO Sᵀ (C × block and the
+    one C × Dk sum), not a copy of Q: 254 registers a thread with ``Q ⊙ e^D`` held, 234 without."""
     tile = tl.program_id(0).to(tl.int64)
     Q, K, d, QK, gamma = _output_factors(q, k, log_decay, tile, C, DK, BC, BK, PRECISION)
+    e_d = tl.exp(d)
     scores = QK * gamma
-    QD = Q * tl.exp(d)[:, None]
     d_scores = tl.zeros([BC, BC], dtype=tl.float32)
-    d_QD = tl.zeros([BC, BK], dtype=tl.float32)
+    d_QD = tl.zeros([BC, BK], dtype=tl.float32)  # dO Sᵀ: the gradient of Q ⊙ e^D
     for v0 in range(0, DV, BV):
         at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
         at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
         dO = tl.load(d_out + at_v, mask=mask_v, other=0.0)
-        tl.store(d_states + at, _mm(tl.trans(QD), dO, None, PRECISION), mask=mask)
+        tl.store(d_states + at, _mm(tl.trans(Q), dO * e_d[:, None], None, PRECISION), mask=mask)
         tl.store(d_delta + at_v, _mm(tl.trans(scores), dO, None, PRECISION), mask=mask_v)
         d_scores = _mm(dO, tl.trans(tl.load(delta + at_v, mask=mask_v, other=0.0)), d_scores, PRECISION)
         d_QD = _mm(dO, tl.trans(tl.load(states + at, mask=mask, other=0.0)), d_QD, PRECISION)
     dQK = d_scores * gamma
     at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
-    tl.store(dq + at_k, _mm(dQK, K, d_QD * tl.exp(d)[:, None], PRECISION), mask=mask_k)
+    tl.store(dq + at_k, _mm(dQK, K, d_QD * e_d[:, None], PRECISION), mask=mask_k)
     tl.store(dk + at_k, _mm(tl.trans(dQK), Q, None, PRECISION), mask=mask_k)
     rows = tl.arange(0, BC)
     weighted = tl.where(rows[:, None] > rows[None, :], dQK * QK, 0.0)  # dΓ ⊙ Γ below the diagonal
-    dd = tl.sum(d_QD * QD, 1) + tl.sum(weighted, 1) - tl.sum(weighted, 0)
+    dd = tl.sum(d_QD * Q, 1) * e_d + tl.sum(weighted, 1) - tl.sum(weighted, 0)
     tl.store(dlog + tile * C + rows, dd, mask=rows < C)
 
 
@@ -278,7 +293,9 @@ def _ut_forward_kernel(
     PRECISION: tl.constexpr,
 ):
     """Per (chunk, head): A = (I + strictly_lower(β Γ ⊙ K Kᵀ))⁻¹ by forward substitution, row by row; then
-    W = A (β e^D K), U = A (β V). Writes A too, for backward."""
+    W = A (β e^D K), U = A (β V) as ``(A ⊙ β e^D) K`` and ``(A ⊙ β) V`` (columns of A scaled: C × C tiles, not
+    C × Dk copies of K and V; 243 registers a thread at 8 warps with the copies, 118 without). Writes A too, for
+    backward."""
     tile = tl.program_id(0).to(tl.int64)
     K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
     M = tl.where(strict, b[:, None] * decay * KK, 0.0)
@@ -291,47 +308,66 @@ def _ut_forward_kernel(
     at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
     tl.store(a + at_a, A, mask=mask_a)
     at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
-    tl.store(w + at_k, _mm(A, K * (b * tl.exp(d))[:, None], None, PRECISION), mask=mask_k)
+    tl.store(w + at_k, _mm(A * (b * tl.exp(d))[None, :], K, None, PRECISION), mask=mask_k)
     at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
-    V = tl.load(v + at_v, mask=mask_v, other=0.0)
-    tl.store(u + at_v, _mm(A, V * b[:, None], None, PRECISION), mask=mask_v)
+    tl.store(u + at_v, _mm(A * b[None, :], tl.load(v + at_v, mask=mask_v, other=0.0), None, PRECISION), mask=mask_v)
 
 
 @triton.jit
 def _ut_backward_kernel(
     k, v, beta, log_decay, a, dw, du, dk, dv, dbeta, dlog,
-    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BW: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """The UT transform's gradient per (chunk, head), with X = β e^D K, Y = β V (W = A X, U = A Y):
     dX = Aᵀ dW, dY = Aᵀ dU, dA = dW Xᵀ + dU Yᵀ, and through the inverse dM = −Aᵀ dA Aᵀ on the strictly lower
-    triangle, M = β Γ ⊙ K Kᵀ."""
+    triangle, M = β Γ ⊙ K Kᵀ.
+
+    Holds the chunk's C×C tiles (A, K Kᵀ, dA, then dM) and one block of ``BW`` channels of K, dW or V, dU at a time
+    (all of them at once spill 1.6 KB a thread on sm_90): K Kᵀ, dA and ``Σ dX ⊙ K`` (β's and D's share through X)
+    sum over key blocks, dY (→ dV, β's share through Y) and dA's ``dU Yᵀ`` over value blocks; once dA is whole, dM,
+    and a second pass over key blocks recomputes dX (a C×C×BW product, cheaper than a [C, Dk] round trip through
+    memory) for ``dK = dKK K + dKKᵀ K + dX ⊙ β e^D``."""
     tile = tl.program_id(0).to(tl.int64)
-    K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
     rows = tl.arange(0, BC)
+    b = tl.load(beta + tile * C + rows, mask=rows < C, other=0.0)
+    d = tl.load(log_decay + tile * C + rows, mask=rows < C, other=0.0)
+    scale = b * tl.exp(d)
     at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
     A = tl.load(a + at_a, mask=mask_a, other=0.0)
-    at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
-    at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
-    dW = tl.load(dw + at_k, mask=mask_k, other=0.0)
-    dU = tl.load(du + at_v, mask=mask_v, other=0.0)
-    V = tl.load(v + at_v, mask=mask_v, other=0.0)
-    scale = b * tl.exp(d)
-    dX = _mm(tl.trans(A), dW, None, PRECISION)
-    dY = _mm(tl.trans(A), dU, None, PRECISION)
-    dA = _mm(dU, tl.trans(V * b[:, None]), _mm(dW, tl.trans(K * scale[:, None]), None, PRECISION), PRECISION)
-    dM = -_mm(tl.trans(A), _mm(dA, tl.trans(A), None, PRECISION), None, PRECISION)
-    dM = tl.where(strict, dM, 0.0)
+    KK = tl.zeros([BC, BC], dtype=tl.float32)
+    dA = tl.zeros([BC, BC], dtype=tl.float32)
+    through_x = tl.zeros([BC], dtype=tl.float32)  # ∂/∂scale of each row
+    for c0 in range(0, DK, BW):
+        at, mask = _tile_offsets(tile, C, DK, c0, BC, BW)
+        K = tl.load(k + at, mask=mask, other=0.0)
+        dW = tl.load(dw + at, mask=mask, other=0.0)
+        KK = _mm(K, tl.trans(K), KK, PRECISION)
+        dA = _mm(dW, tl.trans(K * scale[:, None]), dA, PRECISION)
+        through_x += tl.sum(_mm(tl.trans(A), dW, None, PRECISION) * K, 1)
+    db = tl.exp(d) * through_x
+    for c0 in range(0, DV, BW):
+        at, mask = _tile_offsets(tile, C, DV, c0, BC, BW)
+        V = tl.load(v + at, mask=mask, other=0.0)
+        dU = tl.load(du + at, mask=mask, other=0.0)
+        dY = _mm(tl.trans(A), dU, None, PRECISION)
+        tl.store(dv + at, dY * b[:, None], mask=mask)
+        db += tl.sum(dY * V, 1)
+        dA = _mm(dU, tl.trans(V * b[:, None]), dA, PRECISION)
+    strict = (rows[:, None] > rows[None, :]) & (rows < C)[:, None]  # rows past C (D reads 0) too: no overflow
+    decay = tl.exp(tl.where(strict, d[:, None] - d[None, :], float("-inf")))
+    dM = tl.where(strict, -_mm(tl.trans(A), _mm(dA, tl.trans(A), None, PRECISION), None, PRECISION), 0.0)
     dKK = dM * b[:, None] * decay
-    dK = _mm(dKK, K, _mm(tl.trans(dKK), K, dX * scale[:, None], PRECISION), PRECISION)
-    tl.store(dk + at_k, dK, mask=mask_k)
-    tl.store(dv + at_v, dY * b[:, None], mask=mask_v)
-    through_x = tl.sum(dX * K, 1)  # ∂/∂scale of the row
     weighted = dKK * KK  # dΓ ⊙ Γ: the log-gate's share of M
-    db = tl.sum(dM * decay * KK, 1) + tl.exp(d) * through_x + tl.sum(dY * V, 1)
+    db += tl.sum(dM * decay * KK, 1)
     dd = tl.sum(weighted, 1) - tl.sum(weighted, 0) + scale * through_x
     tl.store(dbeta + tile * C + rows, db, mask=rows < C)
     tl.store(dlog + tile * C + rows, dd, mask=rows < C)
+    for c0 in range(0, DK, BW):
+        at, mask = _tile_offsets(tile, C, DK, c0, BC, BW)
+        K = tl.load(k + at, mask=mask, other=0.0)
+        dX = _mm(tl.trans(A), tl.load(dw + at, mask=mask, other=0.0), None, PRECISION)
+        tl.store(dk + at, _mm(dKK, K, _mm(tl.trans(dKK), K, dX * scale[:, None], PRECISION), PRECISION), mask=mask)
 
 
 class _Block(torch.autograd.Function):
@@ -395,16 +431,25 @@ def _ut_forward(K, V, B, D, precision):
 def _ut_backward(K, V, B, D, A, dW, dU, precision):
     """The UT transform's gradient → the gradients of K, V, β and D."""
     dk, dv, dbeta, dlog = (torch.empty_like(x) for x in (K, V, B, D))
-    _ut_backward_kernel[(K.shape[0] * K.shape[1],)](K, V, B, D, A, dW, dU, dk, dv, dbeta, dlog,
-                                                    **_ut_geometry(K.shape[2], K.shape[3], V.shape[-1], precision))
+    _ut_backward_kernel[(K.shape[0] * K.shape[1],)](
+        K, V, B, D, A, dW, dU, dk, dv, dbeta, dlog, **_ut_backward_geometry(K.shape[2], K.shape[3], V.shape[-1],
+                                                                            precision))
     return dk, dv, dbeta, dlog
 
 
 def _ut_geometry(size, dk, dv, precision) -> dict:
-    """The UT kernels' shapes (every channel in one program) and launch settings (``UT_CONFIG``)."""
+    """The UT forward kernel's shapes (every channel in one program) and launch settings (``UT_CONFIG``)."""
     return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
                 BK=max(16, triton.next_power_of_2(dk)), BVF=max(16, triton.next_power_of_2(dv)),
-                PRECISION=precision, **UT_CONFIG)
+                PRECISION=precision, **_launch(UT_CONFIG))
+
+
+def _ut_backward_geometry(size, dk, dv, precision) -> dict:
+    """The UT backward kernel's shapes (blocks of ``UT_CONFIG``'s channel block, key or value channels) and launch
+    settings."""
+    return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
+                BW=min(UT_CONFIG["channel_block"], max(16, triton.next_power_of_2(max(dk, dv)))),
+                PRECISION=precision, **_launch(UT_CONFIG))
 
 
 def _scan_forward(W, U, K, after, decay, starting, first_chunk, precision):
@@ -440,7 +485,7 @@ def _state_grads(K, after, decay, states, grad_after, delta, d_delta, dk, precis
     n, heads, size, dk_width = K.shape
     dw, d_after, d_last = torch.empty_like(K), torch.empty_like(after), torch.empty_like(decay)
     _state_grads_kernel[(n * heads,)](K, after, decay, states, grad_after, delta, d_delta, dw, dk, d_after, d_last,
-                                      **dict(_geometry(size, dk_width, delta.shape[-1], precision), **UT_CONFIG))
+                                      **_per_chunk_geometry(size, dk_width, delta.shape[-1], precision))
     return dw, d_after, d_last
 
 
@@ -450,7 +495,7 @@ def _output_backward(Q, K, D, states, delta, dO, precision):
     n, heads, size, dk = Q.shape
     d_states, d_delta, dq, dk_out, dlog = (torch.empty_like(x) for x in (states, delta, Q, K, D))
     _output_backward_kernel[(n * heads,)](Q, K, D, states, delta, dO, d_states, d_delta, dq, dk_out, dlog,
-                                          **dict(_geometry(size, dk, dO.shape[-1], precision), **UT_CONFIG))
+                                          **_per_chunk_geometry(size, dk, dO.shape[-1], precision))
     return d_states, d_delta, dq, dk_out, dlog
 
 
@@ -460,7 +505,18 @@ def _geometry(size, dk, dv, precision) -> dict:
     return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
                 BK=max(16, triton.next_power_of_2(dk)),
                 BV=min(CONFIG["value_block"], max(16, triton.next_power_of_2(dv))), PRECISION=precision,
-                num_warps=CONFIG["num_warps"], num_stages=CONFIG["num_stages"])
+                **_launch(CONFIG))
+
+
+def _per_chunk_geometry(size, dk, dv, precision) -> dict:
+    """The shapes of ``_geometry`` (value blocks of ``CONFIG``'s width) for a kernel with one program per chunk and
+    head, launched as the UT kernels (``UT_CONFIG``)."""
+    return dict(_geometry(size, dk, dv, precision), **_launch(UT_CONFIG))
+
+
+def _launch(config: dict) -> dict:
+    """A settings dict's warps and pipeline stages, as a launch takes them."""
+    return dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
 
 
 class _DocumentChunks:
