@@ -129,6 +129,6 @@ def test_the_comm_op_built_by_one_way_of_starting_python_is_not_rebuilt_by_the_o
         assert (build / f"{COMM_OP}.so").exists()
         assert run(then, NOTE, build.parent) == "None", f"built {first}, rebuilt {then}"
         assert run(first, NOTE, build.parent) == "None"
-        later = (build / f"{COMM_OP}.so").stat().st_mtime + 10  # past the output: op.cpp + 10 s was not, on a loaded machine
+        later = (build / f"{COMM_OP}.so").stat().st_mtime + 10  # op.cpp + 10 s may not be (loaded)
         os.utime(build / "op.cpp", (later, later))
         assert "DeepSpeed rebuilds its CPU comm op" in run(then, NOTE, build.parent)
