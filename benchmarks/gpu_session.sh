@@ -55,36 +55,36 @@ stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --
 import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varlen_attn\"))"'
 
 # Round 5 (benchmarks/gpu_h200_round4.md says what the last session found and why these come first).
-# 1. The compiled step, now that it compiles once per kind of block and grad mode: 4k, then 16k against softmax
+# 1. Our kernels first: the delta rule's forward and backward were rebuilt on CPU since they last ran on a device
+#    (one autograd Function of kernels per block; no spills by the sm_90 report), and a miscompile there would void
+#    every figure after it. Then where each op's fwd+bwd spends its time at 16k, and the op table at 4k-32k with the
+#    copy ceiling (issue 45: the delta rule <= 1.5x the linear kernel at 16k; linear >= 50 % of the ceiling at 32k)
+stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_delta_rule_triton.py tests/ops/test_linear_attention_triton*.py
+stage op_profile 90 python3 tools/bench_triton_gpu.py --profile gated_delta_triton,decay_triton,linear_triton \
+    --out "$RES/gpu_op_profile.json"
+stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \
+    --only linear_triton,decay_triton,gated_delta_triton,sdpa_flash --out "$RES/gpu_bench_ops.json"
+
+# 2. The compiled step, now that it compiles once per kind of block and grad mode: 4k, then 16k against softmax
 stage profile_linear_compiled 150 profile linear_compiled configs/lm/linear_1b.yaml train.compile=true
-stage profile_softmax_compiled 150 profile softmax_compiled configs/softmax_lm_1b.yaml train.compile=true
 stage profile_gdn_compiled 180 profile gdn_compiled configs/lm/gdn_hybrid_1b.yaml train.compile=true
+stage profile_softmax_compiled 150 profile softmax_compiled configs/softmax_lm_1b.yaml train.compile=true
 stage profile_gdn_16k 150 profile gdn_16k configs/lm/gdn_hybrid_1b.yaml train.compile=true train.seq_len=16384 \
     train.micro_batch_size=1
 stage profile_softmax_16k 150 profile softmax_16k configs/softmax_lm_1b.yaml train.compile=true \
     train.seq_len=16384 train.micro_batch_size=1
-# 2. Eager softmax through varlen (what varlen gives without compiling), and an eager step 4x as large (how much
+# 3. Eager softmax through varlen (what varlen gives without compiling), and an eager step 4x as large (how much
 #    of the device's idle time is the host issuing kernels: the last session's eager steps idled 65-79 %)
 stage profile_softmax_varlen 120 profile softmax_varlen configs/softmax_lm_1b.yaml train.compile=false
 stage profile_linear_mb16 150 profile linear_mb16 configs/lm/linear_1b.yaml train.compile=false \
     train.micro_batch_size=16
 
-# 3. Our kernels on CUDA without the interpreter (the linear kernel's launch and grid, and the delta rule's backward,
-#    changed since they last ran there)
-stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_linear_attention_triton*.py tests/ops/test_delta_rule_triton.py
-
-# issue 45: where each op's fwd+bwd spends its time at 16k (kernels by name; device busy against wall): what the
-# gated delta rule's 20x over the linear kernel is made of
-stage op_profile 90 python3 tools/bench_triton_gpu.py --profile gated_delta_triton,decay_triton,linear_triton \
-    --out "$RES/gpu_op_profile.json"
-
-# 4. The op table with the 4-warp linear kernel, at 32k too (issue 45: >= 50 % of the copy ceiling there)
-stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \
-    --only linear_triton,decay_triton,gated_delta_triton,sdpa_flash --out "$RES/gpu_bench_ops.json"
-# issue 45: segmented linear-attention kernels at 32k, few sequences × heads (B=1, H=16) against whole ones, and the
-# rule's other side (B=8, H=32 forced into segments); notes_triton.md "Segments" has the predictions
+# 4. Launch settings. Segmented linear-attention kernels at 32k, few sequences x heads (B=1, H=16) against whole
+#    ones, and the rule's other side (B=8, H=32 forced into segments; notes_triton.md "Segments"); the linear and
+#    decayed kernels' sweep; the delta rule's (value block, warps, stages of its scans)
 stage segments 90 python3 tools/bench_triton_gpu.py --segments --out "$RES/gpu_segments.json"
 stage sweep 150 python3 tools/bench_triton_gpu.py --sweep --out "$RES/gpu_sweep.json"
+stage sweep_delta 150 python3 tools/bench_triton_gpu.py --sweep-delta --out "$RES/gpu_sweep_delta.json"
 
 # Triton's and inductor's caches, in parts under the 16 MiB a returned file may have (the last one was 49 MB)
 tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15m -a 1 - "$OUT/triton.tgz." && ls -la "$OUT"/triton.tgz.*
