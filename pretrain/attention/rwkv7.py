@@ -27,11 +27,13 @@ SHIFTED = ("r", "w", "k", "v", "a", "g")  # the inputs that mix the token with t
 
 def lora(dim: int, rank: int, activation: nn.Module | None = None, *, bias: bool = True) -> nn.Sequential:
     """``dim → rank → (activation) → dim``, RWKV-7's low-rank projections; the last one starts at zero where it is
-    added to a bias (the decay's and the learning rate's: they start at their base values)."""
+    added to a bias (the decay's and the learning rate's: they start at their base values), and keeps that init in
+    a model (``keeps_init``: the model's init would draw it and zero the bias, the decay's base included)."""
     up = nn.Linear(rank, dim, bias=bias)
     if bias:
         nn.init.zeros_(up.weight)
         nn.init.zeros_(up.bias)
+        up.keeps_init = True
     return nn.Sequential(nn.Linear(dim, rank, bias=False), *(() if activation is None else (activation,)), up)
 
 

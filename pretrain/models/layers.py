@@ -16,11 +16,12 @@ def init_weights(model: nn.Module, std: float, *, blocks: int) -> None:
     Every block adds two branches (mixer, FFN) to the residual stream, so at initialization its variance grows
     with their number, 2·blocks; shrinking the projections that write into the stream (a mixer's ``o_proj``, the
     FFN's ``down_proj``) by 1/√(2·blocks) keeps it O(1) at any depth (GPT-2, Radford et al. 2019). Other
-    parameters (norms, convolutions, a mixer's own biases or kernels) keep the init their module gave them.
+    parameters (norms, convolutions, a mixer's own biases or kernels) keep the init their module gave them, as do
+    linear layers marked ``keeps_init`` (RWKV-7's low-rank projections, which start at zero on their base values).
     """
     residual_std = std / math.sqrt(2 * max(1, blocks))
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, (nn.Linear, nn.Embedding)) and not getattr(module, "keeps_init", False):
             nn.init.normal_(module.weight, std=residual_std if name.endswith(("o_proj", "down_proj")) else std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

@@ -112,6 +112,17 @@ def test_init_scales_residual_output_projections_by_depth():
     assert torch.all(block.mixer_norm.weight == 1)
 
 
+def test_init_keeps_what_a_mixer_started_on_purpose():
+    """RWKV-7's decay starts from a ramp of base values across each head (slow to fast) in its low-rank
+    projection's bias, the projection itself at zero: the model's init drew the one and zeroed the other, which
+    started every channel at a memory of about three tokens."""
+    mixer = build_lm(model_cfg(mixer="rwkv7", dim=64, n_heads=2)).layers[0].mixer
+    up = mixer.decay_lora[-1]
+    torch.testing.assert_close(up.bias.detach(), torch.linspace(-6.0, -1.0, 32).repeat(2))
+    assert torch.all(up.weight == 0) and torch.all(mixer.rate_lora[-1].weight == 0)
+    assert mixer.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.1)  # the receptance: drawn as any layer
+
+
 def test_flops_per_token_is_mixers_plus_ffn_plus_head_by_part(token_shift):
     dim, vocab, seq_len, hidden = 64, 100, 40, 192
     model = build_lm(model_cfg(dim=dim, vocab_size=vocab, n_layers=4, layer_pattern=["softmax", "token_shift"]))
