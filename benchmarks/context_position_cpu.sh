@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does a linear LM use long context? Tiny LMs (4 layers, width 256: configs/tiny_lm.yaml for softmax,
 # configs/lm/<mixer>_tiny.yaml for linear (elu+1), inline, mamba2, gated_deltanet, the 3:1 gated DeltaNet +
-# softmax hybrid, kda and rwkv7), each trained at 2,048 tokens for 500
+# softmax hybrid, kda, rwkv7, and kda with its output gate started shut), each trained at 2,048 tokens for 500
 # steps of 2 rows on one CPU thread, then scored per document position by tools/context_position.py under windows
 # of 16, 64, 256, 2,048 and 24,576 tokens (longer than any held-out document). Data: War and Peace
 # (../shared/data/text/warandpeace.txt, Project Gutenberg). Books One to Fourteen, one document each (33k–103k tokens), train; Book Fifteen and the two
@@ -40,7 +40,7 @@ for split in train test; do
 done
 # MIXERS names the runs to train (a run with a checkpoint is kept) and score; the JSON keeps the rows of the others
 # (--add), so mixers can join the table later at the same budget.
-MIXERS=${MIXERS:-softmax linear inline mamba2 gated_deltanet gdn_hybrid kda rwkv7}
+MIXERS=${MIXERS:-softmax linear inline mamba2 gated_deltanet gdn_hybrid kda rwkv7 kda_shut_gate}
 for mixer in $MIXERS; do
   config=configs/lm/${mixer}_tiny.yaml
   [ "$mixer" = softmax ] && config=configs/tiny_lm.yaml
