@@ -58,11 +58,16 @@ from ..delta_rule.triton import (
 )
 
 SUB = 16  # the sub-chunk: pairs inside one get their own exponents, pairs across two factor through the earlier's end
-# Launch settings (tools/triton_resource_report.py --op kda; C = 64, Dk = Dv = 128, TF32 products; no GPU timed):
-# the scans, as the delta rule's CONFIG; the kernels with one program per chunk and head, as its UT_CONFIG; the
-# products' kernels, one program per sub-chunk.
+# Launch settings from the compiler's resource report for sm_90 (`tools/triton_resource_report.py --op kda`; C = 64,
+# Dk = Dv = 128, TF32 products; no GPU timed yet). None of the kernels spills with these. The scans as the delta
+# rule's: value blocks of 32 at 4 warps (the fused scan 235 registers; at blocks of 64 it spills 0.8 KB a thread, the
+# reverse scan 40 B; at 16 none, 236).
 CONFIG = dict(value_block=32, num_warps=4, num_stages=1)
+# The kernels with one program per chunk and head, as the delta rule's UT_CONFIG (8 warps: 106 to 148 registers).
 UT_CONFIG = dict(channel_block=32, num_warps=8, num_stages=1)
+# The products' kernels, one program per (chunk, head, sub-chunk): 4 warps, 180 and 245 registers, 2 blocks per SM
+# (8 warps: 179 and 176, 1 per SM; 2 warps: the backward spills 0.3 KB). At Dk = Dv = 256 the products, the scans and
+# the state gradients spill (0.3 to 1 KB a thread).
 PRODUCTS_CONFIG = dict(num_warps=4, num_stages=1)
 
 __all__ = ["MAX_HEAD_DIM", "kda_triton"]
