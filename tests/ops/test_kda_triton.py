@@ -21,7 +21,8 @@ from pretrain.ops.first_use import forget_verdicts
 
 compare = partial(kernel_checks.compare, kda_delta_rule)
 
-dplr_module = importlib.import_module("pretrain.ops.dplr")
+dplr_module = importlib.import_module("pretrain.ops.dplr")  # the package (ops/ exports the function by its name)
+delta_triton_module = importlib.import_module("pretrain.ops.delta_rule.triton")  # its blocks of chunks
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # one-token documents, documents across the boundaries of chunks of 16 counted from the stream's start (chunk's
 # layout; ours starts chunks at each document), a whole chunk
@@ -48,13 +49,12 @@ def make_inputs(batch, length, heads, dk, dv, gates, *, seed):
 
 # (batch, T, heads, Dk, Dv, cu_seqlens, gates, chunk size)
 CASES = {
-    "ragged_tail_dk_ne_dv": (2, 37, 1, 16, 24, None, (-1.0, 0.0), 16),
+    "ragged_tail_dk_ne_dv": (2, 21, 1, 16, 24, None, (-1.0, 0.0), 16),
     "documents_gates_near_minus_20": (1, 45, 1, 16, 16, DOCUMENTS, (-20.0, -19.0), 16),
     "gates_near_0": (1, 21, 2, 16, 16, None, (-1e-3, 0.0), 16),
-    # two sub-chunks a chunk: pairs across them factor through the earlier one's last token at any gate
-    "documents_mixed_gates_chunk_32": (1, 45, 1, 16, 16, DOCUMENTS, "mixed", 32),
-    # a chunk of 40: three sub-chunks, the last one short, padded to blocks of 64 rows
-    "chunk_40_mixed_gates": (1, 50, 1, 32, 16, [0, 3, 50], "mixed", 40),
+    # a chunk of 40: three sub-chunks, the last one short (rows padded to 64), pairs across them factored through
+    # the earlier one's last token with half the channels' gates near −20
+    "chunk_40_mixed_gates": (1, 50, 1, 32, 16, [0, 1, 50], "mixed", 40),
 }
 
 
@@ -88,14 +88,30 @@ def test_gradients_through_the_final_state_alone_from_zero_state():
         assert_close(got, want, 1e-5, name)
 
 
-def test_bf16_keeps_its_dtype_with_fp32_accumulation():
-    """bf16 inputs: o and the gradients in bf16, the state fp32; computed in fp32, so the error is that of rounding
-    the results: within 4 units of bf16's roundoff of the fp64 chunked form on the same rounded inputs."""
-    inputs = [x.bfloat16().double() for x in make_inputs(1, 40, 1, 16, 24, "mixed", seed=12)]
+def test_blocks_of_chunks_hand_on_the_running_document(monkeypatch):
+    """Blocks of three chunks of 8 (shorter than a sub-chunk), each recomputed on its own in backward: documents run
+    across blocks, several end inside one, and the states and gradients still match."""
+    monkeypatch.setattr(delta_triton_module, "BLOCK_ELEMENTS", 3 * 8 * 16)  # chunks × heads × C × max(C, D)
+    cu = [0, 1, 20, 23, 40]  # chunks of 8 from each document's start: 1, 3, 1 and 3
+    inputs = make_inputs(1, 40, 1, 16, 16, (-1.0, 0.0), seed=20)
+    state = torch.randn(len(cu) - 1, 1, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(20))
+    compare(inputs, state.to(DEVICE), dtype=torch.float32, tol=1e-5, seed=20,
+            cu_seqlens=torch.tensor(cu, device=DEVICE), chunk_size=8)
+
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keeps_its_dtype_with_fp32_accumulation(dtype):
+    """bf16/fp16 inputs: o and the gradients in the input dtype, the state fp32; computed in fp32, so the error is
+    that of rounding the results: within 4 units of the dtype's roundoff of the fp64 chunked form on the same
+    rounded inputs."""
+    inputs = [x.to(dtype).double() for x in make_inputs(1, 40, 1, 16, 24, "mixed", seed=12)]
     state = torch.randn(1, 1, 16, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    got = compare(inputs, state, dtype=torch.bfloat16, tol=4 * 2.0**-8, seed=12, chunk_size=16)
-    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
-    assert all(grad.dtype == torch.bfloat16 for grad in got[2:7]) and got[7].dtype == torch.float32
+    got = compare(inputs, state, dtype=dtype, tol=4 * UNIT_ROUNDOFF[dtype], seed=12, chunk_size=16)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    assert all(grad.dtype == dtype for grad in got[2:7]) and got[7].dtype == torch.float32
 
 
 def test_the_mixer_runs_it_as_is():
@@ -134,8 +150,9 @@ def fresh_verdicts():
 
 def test_auto_takes_ours_after_its_first_use_check(monkeypatch, fresh_verdicts):
     """On CUDA (stood in for by the interpreter) ``auto`` runs our kernels once they matched ``chunk``: the check's
-    call, then every request's; on CPU ``auto`` is ``chunk``."""
-    q, k, v, beta, g = (x.float() for x in make_inputs(1, 20, 2, 16, 16, (-1.0, 0.0), seed=16))
+    call, then every request's; on CPU ``auto`` is ``chunk``. (One head: the check runs as many as the request, up
+    to two.)"""
+    q, k, v, beta, g = (x.float() for x in make_inputs(1, 20, 1, 16, 16, (-1.0, 0.0), seed=16))
     calls = []
     ours = dplr_module.kda_triton
     monkeypatch.setattr(dplr_module, "kda_triton", lambda *a, **kw: calls.append(1) or ours(*a, **kw))
@@ -145,17 +162,20 @@ def test_auto_takes_ours_after_its_first_use_check(monkeypatch, fresh_verdicts):
     monkeypatch.setattr(dplr_module, "_triton_may_run", lambda q, v: True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = [kda_delta_rule(q, k, v, beta, g, chunk_size=16) for _ in range(2)]
-    assert len(calls) == 1 + 2
-    torch.testing.assert_close(got[0], ours(q, k, v, beta, g, cu_seqlens=None, initial_state=None,
-                                            output_final_state=False, chunk_size=16), rtol=0, atol=0)
+        got = kda_delta_rule(q, k, v, beta, g, chunk_size=16)
+    assert len(calls) == 1 + 1
+    assert_close(got, kda_delta_rule(q, k, v, beta, g, chunk_size=16, impl="chunk"), 1e-5, "o")
 
 
 def test_auto_keeps_to_chunk_when_ours_fails_its_check(monkeypatch, fresh_verdicts):
+    """A kernel that raises on this device (as one the compiler refuses would) fails its check: ``auto`` warns once
+    and runs ``chunk``."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("stands in for a kernel this device cannot run")
+
     monkeypatch.setattr(dplr_module, "_triton_may_run", lambda q, v: True)
-    ours = dplr_module.kda_triton
-    monkeypatch.setattr(dplr_module, "kda_triton", lambda *a, **kw: 1.01 * ours(*a, **kw))
+    monkeypatch.setattr(dplr_module, "kda_triton", broken)
     q, k, v, beta, g = (x.float() for x in make_inputs(1, 20, 2, 16, 16, (-1.0, 0.0), seed=17))
-    with pytest.warns(RuntimeWarning, match="our Triton KDA form failed its first-use check"):
+    with pytest.warns(RuntimeWarning, match="our Triton KDA form failed its first-use check .*RuntimeError: stands in"):
         got = kda_delta_rule(q, k, v, beta, g, chunk_size=16)
     torch.testing.assert_close(got, kda_delta_rule(q, k, v, beta, g, chunk_size=16, impl="chunk"), rtol=0, atol=0)

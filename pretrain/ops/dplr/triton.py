@@ -108,11 +108,18 @@ def _sub_chunk_program(q, k, log_decay, C: tl.constexpr, DK: tl.constexpr, SUB: 
 
 
 @triton.jit
-def _column(k, log_decay, D, tile, j, C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr):
-    """``k_j e^{D_i − D_j}`` for the rows i of ``D [SUB, BK]``, per channel: token j's share in the products of those
-    rows, each pair its own exponent, clamped ≤ 0 (pairs with j > i are the caller's to mask)."""
-    return _token(k, tile, j, C, DK, BK)[None, :] * tl.exp(
-        tl.minimum(D - _token(log_decay, tile, j, C, DK, BK)[None, :], 0.0))
+def _pair_weights(x, y, log_decay, D, tile, t, C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
+                  LATER: tl.constexpr):
+    """Token t's rows of ``x`` and ``y`` ``[1, BK]`` (zeros past C) and its pairs' decays with the rows of
+    ``D [SUB, BK]``, each its own exponent clamped ≤ 0: ``e^{D_i − D_t}`` (t the column), or ``e^{D_t − D_j}`` where
+    ``LATER`` (t the row); pairs the other way round are the caller's to mask. (One function, no calls inside: the
+    interpreter's cost is per call.)"""
+    c = tl.arange(0, BK)
+    at, mask = tile * (C * DK) + t * DK + c, (c < DK) & (c * 0 + t < C)
+    d_t = tl.load(log_decay + at, mask=mask, other=0.0)[None, :]
+    exponent = d_t - D if LATER else D - d_t
+    return (tl.load(x + at, mask=mask, other=0.0)[None, :], tl.load(y + at, mask=mask, other=0.0)[None, :],
+            tl.exp(tl.minimum(exponent, 0.0)))
 
 
 @triton.jit
@@ -140,7 +147,8 @@ def _products_kernel(
     P_qk = tl.zeros([SUB, SUB], dtype=tl.float32)
     P_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
     for j in range(SUB):  # the sub-chunk with itself: column j, each pair its own exponent (> 0 above: masked)
-        weighted = _column(k, log_decay, D, tile, i0 + j, C, DK, BK)
+        k_j, _, decays = _pair_weights(k, k, log_decay, D, tile, i0 + j, C, DK, BK, False)
+        weighted = k_j * decays
         P_qk = tl.where(cols[None, :] == j, tl.sum(Q * weighted, 1)[:, None], P_qk)
         P_kk = tl.where(cols[None, :] == j, tl.sum(K * weighted, 1)[:, None], P_kk)
     at_p, mask_p = _pairs(tile, rows, i0 + cols, C)
@@ -171,7 +179,8 @@ def _products_backward_kernel(
     dQ = tl.zeros([SUB, BK], dtype=tl.float32)  # as rows: of q (P^{qk}) and of k (P^{kk})
     dK_row = tl.zeros([SUB, BK], dtype=tl.float32)
     for j in range(SUB):  # inside the sub-chunk, pairs j < i one by one
-        weighted = _column(k, log_decay, D, tile, i0 + j, C, DK, BK)
+        k_j, _, decays = _pair_weights(k, k, log_decay, D, tile, i0 + j, C, DK, BK, False)
+        weighted = k_j * decays
         at_p = tile * (C * C) + rows * C + i0 + j  # column j, rows i > j
         below = (cols > j) & (rows < C)
         dQ += tl.load(d_p_qk + at_p, mask=below, other=0.0)[:, None] * weighted
@@ -183,12 +192,11 @@ def _products_backward_kernel(
         dK_row += _mm(tl.load(d_p_kk + at_p, mask=mask_p, other=0.0), K_j, None, PRECISION) * e_i
     dK_col = tl.zeros([SUB, BK], dtype=tl.float32)  # as columns: k's, against q's rows and k's
     for i in range(SUB):  # inside the sub-chunk, pairs i > j one by one
-        weight = tl.exp(tl.minimum(_token(log_decay, tile, i0 + i, C, DK, BK)[None, :] - D, 0.0))
+        q_i, k_i, decays = _pair_weights(q, k, log_decay, D, tile, i0 + i, C, DK, BK, True)
         at_p = tile * (C * C) + (i0 + i) * C + rows  # row i, columns j < i
         above = (cols < i) & (rows * 0 + i0 + i < C)
-        q_i, k_i = _token(q, tile, i0 + i, C, DK, BK), _token(k, tile, i0 + i, C, DK, BK)
-        dK_col += (tl.load(d_p_qk + at_p, mask=above, other=0.0)[:, None] * q_i[None, :]
-                   + tl.load(d_p_kk + at_p, mask=above, other=0.0)[:, None] * k_i[None, :]) * weight
+        dK_col += (tl.load(d_p_qk + at_p, mask=above, other=0.0)[:, None] * q_i
+                   + tl.load(d_p_kk + at_p, mask=above, other=0.0)[:, None] * k_i) * decays
     d_r = _token(log_decay, tile, i0 + SUB - 1, C, DK, BK)[None, :]  # (read only when later sub-chunks exist)
     later = tl.zeros([SUB, BK], dtype=tl.float32)
     for l0 in range(i0 + SUB, C, SUB):  # later sub-chunks, through the decay at this one's last token
