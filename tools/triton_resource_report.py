@@ -163,7 +163,7 @@ def kda_rule_kernels(a, chunk, scan=None, per_chunk=None, products=None):
             ("scan+output", kda_kernels._scan_kernel, dict(scans, OUTPUT=True)),
             ("scan fwd", kda_kernels._scan_kernel, dict(scans, OUTPUT=False)),
             ("output adj", kda_kernels._output_backward_kernel, per_tile),
-            ("scan bwd", kda_kernels._scan_backward_kernel, dict(scans, HAS_FINAL_GRAD=False)),
+            ("scan bwd", kda_kernels._scan_backward_kernel, scans),
             ("state grads", kda_kernels._state_grads_kernel, per_tile),
             ("ut bwd", kda_kernels._ut_backward_kernel, ut_backward),
             ("products bwd", kda_kernels._products_backward_kernel, sub_chunks))

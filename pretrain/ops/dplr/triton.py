@@ -65,7 +65,7 @@ SUB = 16  # the sub-chunk: pairs inside one get their own exponents, pairs acros
 CONFIG = dict(value_block=32, num_warps=4, num_stages=1)
 # The kernels with one program per chunk and head, as the delta rule's UT_CONFIG (8 warps: 106 to 148 registers).
 UT_CONFIG = dict(channel_block=32, num_warps=8, num_stages=1)
-# The products' kernels, one program per (chunk, head, sub-chunk): 4 warps, 180 and 245 registers, 2 blocks per SM
+# The products' kernels, one program per (chunk, head, sub-chunk): 4 warps, 179 and 245 registers, 2 blocks per SM
 # (8 warps: 179 and 176, 1 per SM; 2 warps: the backward spills 0.3 KB). At Dk = Dv = 256 the products, the scans and
 # the state gradients spill (0.3 to 1 KB a thread).
 PRODUCTS_CONFIG = dict(num_warps=4, num_stages=1)
@@ -296,15 +296,12 @@ def _scan_kernel(
 def _scan_backward_kernel(
     w, hands, decay, d_states, d_delta, d_final, grad_after, delta_grad, d_initial, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_FINAL_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """The scan's adjoint, chunks in reverse: writes G (the gradient of the state leaving each chunk), the total
-    gradient of Δ per token, ``dΔ_out + (K ⊙ e^{D_C − D}) G``, and G before the first chunk (the initial state's
-    gradient); ``G ← dS_out + e^{D_C} ⊙ G − Wᵀ dΔ``. ``d_final`` is read where ``HAS_FINAL_GRAD``."""
+    """The scan's adjoint, chunks in reverse from the final states' gradient: writes G (the gradient of the state
+    leaving each chunk), the total gradient of Δ per token, ``dΔ_out + (K ⊙ e^{D_C − D}) G``, and G before the first
+    chunk (the initial state's gradient); ``G ← dS_out + e^{D_C} ⊙ G − Wᵀ dΔ``."""
     i_h, c0, c1, v0, state_at, state_mask, G = _scan_program(first_chunk, d_final, H, DK, DV, BK, BV)
-    if not HAS_FINAL_GRAD:
-        G = tl.zeros([BK, BV], dtype=tl.float32)
     channels = tl.arange(0, BK)
     for i in range(c1 - c0):
         tile = (c1 - 1 - i) * H + i_h
@@ -464,8 +461,9 @@ class _Block(torch.autograd.Function):
         d_starting = d_states.new_empty(docs, heads, dk, dv)
         geometry = _geometry(size, dk, dv, precision, CONFIG)
         _scan_backward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-            f.W, f.hands, f.decay, d_states, d_delta_out, d_starting if d_final is None else d_final.contiguous(),
-            grad_after, d_delta, d_starting, first_chunk, H=heads, HAS_FINAL_GRAD=d_final is not None, **geometry)
+            f.W, f.hands, f.decay, d_states, d_delta_out,
+            torch.zeros_like(d_starting) if d_final is None else d_final.contiguous(), grad_after, d_delta,
+            d_starting, first_chunk, H=heads, **geometry)
         dW, d_hands, d_last = torch.empty_like(f.W), torch.empty_like(f.hands), torch.empty_like(f.decay)
         _state_grads_kernel[(n * heads,)](f.decay, states, grad_after, delta, d_delta, dW, d_hands, d_last,
                                           **_per_chunk_geometry(size, dk, dv, precision, CONFIG, UT_CONFIG))
