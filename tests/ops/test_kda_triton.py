@@ -51,7 +51,7 @@ def make_inputs(batch, length, heads, dk, dv, gates, *, seed):
 CASES = {
     "ragged_tail_dk_ne_dv": (2, 21, 1, 16, 24, None, (-1.0, 0.0), 16),
     "documents_gates_near_minus_20": (1, 45, 1, 16, 16, DOCUMENTS, (-20.0, -19.0), 16),
-    "gates_near_0": (1, 21, 2, 16, 16, None, (-1e-3, 0.0), 16),
+    "gates_near_0_dk_24": (1, 21, 2, 24, 16, None, (-1e-3, 0.0), 16),  # Dk not a power of two: masked channels
     # a chunk of 40: three sub-chunks, the last one short (rows padded to 64), pairs across them factored through
     # the earlier one's last token with half the channels' gates near −20
     "chunk_40_mixed_gates": (1, 50, 1, 32, 16, [0, 1, 50], "mixed", 40),
