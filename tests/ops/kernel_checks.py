@@ -36,13 +36,29 @@ def compare(op, inputs, state, *, dtype, tol, seed, **kwargs):
     return got
 
 
-def assert_layer_matches_chunk(layer, x, cu_seqlens):
-    """A mixer layer (its ``impl`` set to ``triton``, then ``chunk``) on ``x``: the output and the gradients of the
-    input and of every parameter within 1e-5 relative."""
+def compare_from_random_state(op, inputs, cu, chunk_size, *, seed):
+    """``compare`` in fp32 within 1e-5, from a random initial state per sequence or per document (``cu``: the
+    document offsets, a list, or None)."""
+    batch, _, heads, dk = inputs[0].shape
+    device = inputs[0].device
+    num = batch if cu is None else len(cu) - 1
+    state = torch.randn(num, heads, dk, inputs[2].shape[-1], dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(seed)).to(device)
+    cu_seqlens = None if cu is None else torch.tensor(cu, device=device)
+    compare(op, inputs, state, dtype=torch.float32, tol=1e-5, seed=seed, cu_seqlens=cu_seqlens,
+            chunk_size=chunk_size)
+
+
+def assert_layer_matches_chunk(layer):
+    """A mixer layer of width 32 (its ``impl`` set to ``triton``, then ``chunk``) on two packed documents of 7 and
+    23 tokens: the output and the gradients of the input and of every parameter within 1e-5 relative."""
+    device = next(layer.parameters()).device
+    x = torch.randn(1, 30, 32, device=device, requires_grad=True)
+    cu = torch.tensor([0, 7, 30], device=device)
     results = []
     for impl in ("triton", "chunk"):
         layer.impl = impl
-        y = layer(x, cu_seqlens=cu_seqlens)
+        y = layer(x, cu_seqlens=cu)
         results.append([y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])])
     for name, got, want in zip(["y", "dx", *(n for n, _ in layer.named_parameters())], *results):
         assert_close(got, want, 1e-5, name)

@@ -65,11 +65,7 @@ def test_matches_chunk_fp32(case):
     batch, length, heads, dk, dv, cu, gates, chunk = CASES[case]
     seed = list(CASES).index(case)
     inputs = make_inputs(batch, length, heads, dk, dv, gates, seed=seed)
-    num = batch if cu is None else len(cu) - 1
-    state = torch.randn(num, heads, dk, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    cu_seqlens = None if cu is None else torch.tensor(cu, device=DEVICE)
-    compare(inputs, state.to(DEVICE), dtype=torch.float32, tol=1e-5, seed=seed, cu_seqlens=cu_seqlens,
-            chunk_size=chunk)
+    kernel_checks.compare_from_random_state(kda_delta_rule, inputs, cu, chunk, seed=seed)
 
 
 def test_gradients_through_the_final_state_alone_from_zero_state():
@@ -121,9 +117,7 @@ def test_the_mixer_runs_it_as_is():
 
     torch.manual_seed(0)
     layer = KimiDeltaAttention(32, 2, chunk_size=16).to(DEVICE)
-    x = torch.randn(1, 30, 32, device=DEVICE, requires_grad=True)
-    cu = torch.tensor([0, 7, 30], device=DEVICE)
-    kernel_checks.assert_layer_matches_chunk(layer, x, cu)
+    kernel_checks.assert_layer_matches_chunk(layer)
 
 
 def test_refuses_what_it_cannot_run(monkeypatch):

@@ -415,8 +415,7 @@ class _Block(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_rows, d_final):
-        q, k, v, beta, g, starting, first_chunk = ctx.saved_tensors
-        chunks, precision = ctx.chunks, ctx.precision
+        q, k, v, beta, g, starting, first_chunk, chunks, precision = _kept_inputs(ctx)
         Q, K, V, B, G = (_chunk_rows(x, chunks) for x in (q, k, v, beta, g))
         D = G.cumsum(-1)  # [n, H, C]
         # D_C − D as a sum of the later gates, not a difference, and the last token's e^{D_C − D} the constant 1 (as
@@ -446,6 +445,11 @@ def _keep_inputs(ctx, inputs, chunks, precision):
     ctx.save_for_backward(*inputs)
     ctx.chunks, ctx.precision = chunks, precision
     ctx.set_materialize_grads(False)
+
+
+def _kept_inputs(ctx) -> tuple:
+    """What ``_keep_inputs`` kept: the inputs, then the number of chunks and the precision."""
+    return *ctx.saved_tensors, ctx.chunks, ctx.precision
 
 
 def _ut_forward(K, V, B, D, precision):

@@ -43,6 +43,7 @@ from ..delta_rule.triton import (
     _chunk_rows,
     _geometry,
     _keep_inputs,
+    _kept_inputs,
     _launch,
     _mm,
     _per_chunk_geometry,
@@ -447,8 +448,7 @@ class _Block(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_rows, d_final):
-        q, k, v, beta, g, starting, first_chunk = ctx.saved_tensors
-        chunks, precision = ctx.chunks, ctx.precision
+        q, k, v, beta, g, starting, first_chunk, chunks, precision = _kept_inputs(ctx)
         f = _Factors(q, k, v, beta, g, chunks, precision)
         states, delta = _scan(f, starting, first_chunk, precision, output=False)
         dO = torch.zeros_like(f.U) if d_rows is None else _chunk_rows(d_rows, chunks)
