@@ -16,18 +16,21 @@ Kernels, every block of chunks one autograd Function (``_Block``, run by the del
 - the products, one program per (chunk, head, sub-chunk of 16 rows), in ``dplr/chunk.py``'s way: against an
   earlier sub-chunk through the decay at its last token r, ``e^{D_i − D_r} · e^{D_r − D_j}`` (both ≤ 1, exact at any
   gate), and within the sub-chunk each pair with its own exponent (a loop over its 16 columns); exponents clamped
-  ≤ 0 before ``exp``, pairs masked after. No host check of the gates' size, nothing overflows at any gate ≤ 0;
+  ≤ 0 before ``exp``, pairs masked after. No host check of the gates' size, nothing overflows at any gate ≤ 0.
+  From the same loads it writes what the UT transform and the scan read besides: ``Q ⊙ e^D``, ``K ⊙ e^D`` and
+  ``K ⊙ e^{D_C − D}`` (D and ``D_C − D`` are cumulative sums, batched);
 - the UT transform, one program per (chunk, head): A by forward substitution (the delta rule's), W, U;
 - the scan with the output inside, one program per (document, head, block of value channels), its state in
-  registers, reading ``Q ⊙ e^D``, ``K ⊙ e^{D_C − D}`` and ``P^{qk}`` (made before it: elementwise, batched);
+  registers, reading ``Q ⊙ e^D``, ``K ⊙ e^{D_C − D}`` and ``P^{qk}``;
 - backward by hand, as the delta rule's: recompute, the scan again writing each chunk's entering state and Δ, the
   output stage's adjoint (``dS_out = (Q ⊙ e^D)ᵀ dO``, ``dΔ_out = P^{qkᵀ} dO``, ``dP^{qk} = dO Δᵀ``,
   ``d(Q ⊙ e^D) = dO Sᵀ``), the reverse scan (``dΔ = dΔ_out + (K ⊙ e^{D_C − D}) G``,
   ``G ← dS_out + e^{D_C} ⊙ G − Wᵀ dΔ``), what each chunk gets through the state, the UT transform's gradient (to
   ``dP^{kk}``), and the products' gradient, per sub-chunk as the forward: ``dX_i = Σ_j dP_ij y_j e^{D_i − D_j}``,
   ``dY_j = Σ_i dP_ij x_i e^{D_i − D_j}`` and the log-decay's ``x ⊙ dX − y ⊙ dY`` (pairs i ≠ j: a pair with itself
-  has no decay). g's gradient gathers D's, ``D_C − D``'s (a suffix sum of the later gates, as in the delta rule) and
-  ``D_C``'s by cumulative sums over the chunk.
+  has no decay), with the gradients of ``Q ⊙ e^D``, ``K ⊙ e^D`` and ``K ⊙ e^{D_C − D}``. g's gradient gathers
+  D's, ``D_C − D``'s (a suffix sum of the later gates, as in the delta rule) and ``D_C``'s by cumulative sums over
+  the chunk.
 
 Chunks start at each document's first token and padded tokens write nothing (the delta rule's layout). Only KDA's
 case: ``dplr_delta_rule``'s general transition (arbitrary a, b) has no Triton form. Under ``TRITON_INTERPRET=1`` the
@@ -66,9 +69,9 @@ SUB = 16  # the sub-chunk: pairs inside one get their own exponents, pairs acros
 CONFIG = dict(value_block=32, num_warps=4, num_stages=1)
 # The kernels with one program per chunk and head, as the delta rule's UT_CONFIG (8 warps: 106 to 148 registers).
 UT_CONFIG = dict(channel_block=32, num_warps=8, num_stages=1)
-# The products' kernels, one program per (chunk, head, sub-chunk): 4 warps, 179 and 245 registers, 2 blocks per SM
-# (8 warps: 179 and 176, 1 per SM; 2 warps: the backward spills 0.3 KB). At Dk = Dv = 256 the products, the scans and
-# the state gradients spill (0.3 to 1 KB a thread).
+# The products' kernels, one program per (chunk, head, sub-chunk): 4 warps, 179 and 254 registers, 2 blocks per SM
+# (8 warps: 179 and 186, 1 per SM; 2 warps: the gradient spills 0.5 KB). At Dk = Dv = 256 the products' kernels, the
+# scans and the state gradients spill (0.3 to 1 KB a thread).
 PRODUCTS_CONFIG = dict(num_warps=4, num_stages=1)
 
 __all__ = ["MAX_HEAD_DIM", "kda_triton"]
@@ -138,12 +141,17 @@ def _through_end(k, log_decay, D, tile, j0, C: tl.constexpr, DK: tl.constexpr, S
 
 @triton.jit
 def _products_kernel(
-    q, k, log_decay, p_qk, p_kk,
+    q, k, log_decay, after, p_qk, p_kk, qd, kd, hands,
     C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Rows of one sub-chunk I of ``P^{qk}`` (j ≤ i) and ``P^{kk}`` (j < i), per (chunk, head, I), zero above the
-    diagonal."""
+    diagonal; and of what the UT transform and the scan read besides, ``Q ⊙ e^D``, ``K ⊙ e^D`` and
+    ``K ⊙ e^{D_C − D}`` (``after``: D_C − D)."""
     tile, i0, at, mask, Q, K, D = _sub_chunk_program(q, k, log_decay, C, DK, SUB, BK)
+    e_d = tl.exp(D)
+    tl.store(qd + at, Q * e_d, mask=mask)
+    tl.store(kd + at, K * e_d, mask=mask)
+    tl.store(hands + at, K * tl.exp(tl.load(after + at, mask=mask, other=0.0)), mask=mask)
     rows, cols = i0 + tl.arange(0, SUB), tl.arange(0, SUB)
     P_qk = tl.zeros([SUB, SUB], dtype=tl.float32)
     P_kk = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -168,13 +176,15 @@ def _products_kernel(
 
 @triton.jit
 def _products_backward_kernel(
-    q, k, log_decay, d_p_qk, d_p_kk, dq, dk, dlog,
+    q, k, log_decay, after, d_p_qk, d_p_kk, d_qd, d_kd, d_hands, dq, dk, dlog, d_after,
     C: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The products' gradient on the rows of one sub-chunk I, per (chunk, head, I): as a row i (q's and k's rows
     against the columns j ≤ i, ``Σ_j dP_ij k_j e^{D_i − D_j}``) and as a column j (k's against the rows i ≥ j,
     ``Σ_i dP_ij x_i e^{D_i − D_j}``), whence dQ, dK and the log-decay's gradient ``x ⊙ dX − k ⊙ dK_col`` over the
-    pairs i ≠ j; a pair with itself (``P^{qk}``'s diagonal, no decay) adds to dQ and dK only."""
+    pairs i ≠ j; a pair with itself (``P^{qk}``'s diagonal, no decay) adds to dQ and dK only. With the gradients of
+    ``Q ⊙ e^D``, ``K ⊙ e^D`` and ``K ⊙ e^{D_C − D}`` (the forward kernel's other outputs), the whole of dQ, dK, D's
+    gradient and that of ``D_C − D``."""
     tile, i0, at, mask, Q, K, D = _sub_chunk_program(q, k, log_decay, C, DK, SUB, BK)
     rows, cols = i0 + tl.arange(0, SUB), tl.arange(0, SUB)
     dQ = tl.zeros([SUB, BK], dtype=tl.float32)  # as rows: of q (P^{qk}) and of k (P^{kk})
@@ -209,10 +219,15 @@ def _products_backward_kernel(
         later = _mm(tl.trans(tl.load(d_p_kk + at_p, mask=mask_p, other=0.0)),
                     tl.load(k + at_l, mask=mask_l, other=0.0) * e_l, later, PRECISION)
     dK_col += later * tl.exp(tl.minimum(d_r - D, 0.0))
-    tl.store(dlog + at, Q * dQ + K * dK_row - K * dK_col, mask=mask)
+    e_d = tl.exp(D)
+    d_QD = tl.load(d_qd + at, mask=mask, other=0.0) * e_d
+    d_KD = tl.load(d_kd + at, mask=mask, other=0.0) * e_d
+    tl.store(dlog + at, Q * (dQ + d_QD) + K * (dK_row + d_KD - dK_col), mask=mask)
     diagonal = tl.load(d_p_qk + tile * (C * C) + rows * (C + 1), mask=rows < C, other=0.0)[:, None]  # no decay
-    tl.store(dq + at, dQ + diagonal * K, mask=mask)
-    tl.store(dk + at, dK_row + dK_col + diagonal * Q, mask=mask)
+    tl.store(dq + at, dQ + diagonal * K + d_QD, mask=mask)
+    d_H = tl.load(d_hands + at, mask=mask, other=0.0) * tl.exp(tl.load(after + at, mask=mask, other=0.0))
+    tl.store(d_after + at, d_H * K, mask=mask)
+    tl.store(dk + at, dK_row + dK_col + diagonal * Q + d_KD + d_H, mask=mask)
 
 
 @triton.jit
@@ -368,22 +383,25 @@ def _state_grads_kernel(
     tl.store(d_last + at_c, through_decay * tl.load(decay + at_c, mask=channels < DK, other=0.0), mask=channels < DK)
 
 
-def _products(Q, K, D, precision):
-    """``(P^{qk}, P^{kk})`` ``[n, H, C, C]`` of chunk tensors ``[n, H, C, Dk]``."""
+def _products(Q, K, D, after, precision):
+    """``(P^{qk}, P^{kk})`` ``[n, H, C, C]`` and ``Q ⊙ e^D``, ``K ⊙ e^D``, ``K ⊙ e^{D_C − D}`` of chunk tensors
+    ``[n, H, C, Dk]``."""
     n, heads, size, dk = Q.shape
     p_qk, p_kk = (Q.new_empty(n, heads, size, size) for _ in range(2))
-    _products_kernel[(n * heads, triton.cdiv(size, SUB))](Q, K, D, p_qk, p_kk, **_products_geometry(size, dk,
-                                                                                                    precision))
-    return p_qk, p_kk
+    qd, kd, hands = (torch.empty_like(Q) for _ in range(3))
+    _products_kernel[(n * heads, triton.cdiv(size, SUB))](Q, K, D, after, p_qk, p_kk, qd, kd, hands,
+                                                          **_products_geometry(size, dk, precision))
+    return p_qk, p_kk, qd, kd, hands
 
 
-def _products_backward(Q, K, D, dP_qk, dP_kk, precision):
-    """The products' gradient → their shares of dQ, dK and D's gradient."""
-    n, heads, size, dk = Q.shape
-    dq, dk_out, dlog = (torch.empty_like(x) for x in (Q, K, D))
+def _products_backward(f: "_Factors", dP_qk, dP_kk, dQD, dKD, d_hands, precision):
+    """The gradients of the forward products kernel's outputs → dQ, dK, and the gradients of D and of D_C − D."""
+    n, heads, size, dk = f.Q.shape
+    dq, dk_out, dlog, d_after = (torch.empty_like(f.Q) for _ in range(4))
     _products_backward_kernel[(n * heads, triton.cdiv(size, SUB))](
-        Q, K, D, dP_qk, dP_kk, dq, dk_out, dlog, **_products_geometry(size, dk, precision))
-    return dq, dk_out, dlog
+        f.Q, f.K, f.D, f.after, dP_qk, dP_kk, dQD, dKD, d_hands, dq, dk_out, dlog, d_after,
+        **_products_geometry(size, dk, precision))
+    return dq, dk_out, dlog, d_after
 
 
 def _products_geometry(size, dk, precision) -> dict:
@@ -393,24 +411,19 @@ def _products_geometry(size, dk, precision) -> dict:
 
 class _Factors:
     """A block's chunk tensors ``[n, H, C, *]`` (fp32) and what the scan reads, made once in forward and again in
-    backward: D, the products, ``K ⊙ e^D``, A, W, U, ``Q ⊙ e^D``, ``D_C − D`` (a suffix sum of the later gates),
-    ``K ⊙ e^{D_C − D}`` and ``e^{D_C}``."""
+    backward: D, ``D_C − D`` (a suffix sum of the later gates), the products, ``Q ⊙ e^D``, ``K ⊙ e^D``,
+    ``K ⊙ e^{D_C − D}``, A, W, U and ``e^{D_C}``."""
 
     def __init__(self, q, k, v, beta, g, chunks, precision):
         self.Q, self.K, self.V, self.B, G = (_chunk_rows(x, chunks) for x in (q, k, v, beta, g))
         self.D = G.cumsum(2)
-        self.P_qk, self.P_kk = _products(self.Q, self.K, self.D, precision)
-        self.e_D = self.D.exp()
-        self.KD = self.K * self.e_D
+        self.after = F.pad(G.flip(2).cumsum(2).flip(2)[:, :, 1:], (0, 0, 0, 1))
+        self.P_qk, self.P_kk, self.QD, self.KD, self.hands = _products(self.Q, self.K, self.D, self.after, precision)
         n, heads, size, dk = self.K.shape
         self.A, self.W, self.U = self.K.new_empty(n, heads, size, size), torch.empty_like(self.K), torch.empty_like(
             self.V)
         _ut_forward_kernel[(n * heads,)](self.P_kk, self.B, self.KD, self.V, self.A, self.W, self.U,
                                          **_ut_geometry(size, dk, self.V.shape[-1], precision, UT_CONFIG))
-        self.QD = self.Q * self.e_D
-        self.after = F.pad(G.flip(2).cumsum(2).flip(2)[:, :, 1:], (0, 0, 0, 1))
-        self.e_after = self.after.exp()
-        self.hands = self.K * self.e_after
         self.decay = self.D[:, :, -1].exp().contiguous()  # [n, H, Dk]
 
 
@@ -470,12 +483,9 @@ class _Block(torch.autograd.Function):
         dP_kk, dKD, dV, dB = (torch.empty_like(x) for x in (f.P_kk, f.KD, f.V, f.B))
         _ut_backward_kernel[(n * heads,)](f.P_kk, f.B, f.KD, f.V, f.A, dW, d_delta, dP_kk, dKD, dV, dB,
                                           **_ut_backward_geometry(size, dk, dv, precision, UT_CONFIG))
-        dQ, dK, dD = _products_backward(f.Q, f.K, f.D, dP_qk, dP_kk, precision)
-        dQ += dQD * f.e_D
-        dK += dKD * f.e_D + d_hands * f.e_after
-        dD += dQD * f.QD + dKD * f.KD
+        dQ, dK, dD, d_after = _products_backward(f, dP_qk, dP_kk, dQD, dKD, d_hands, precision)
         # D_C − D is a sum of the later gates (the last token's: none, a constant 0); D_C the sum of every gate
-        d_after = F.pad((d_hands * f.hands)[:, :, :-1], (0, 0, 1, 0)).cumsum(2)
+        d_after = F.pad(d_after[:, :, :-1], (0, 0, 1, 0)).cumsum(2)
         dG = dD.flip(2).cumsum(2).flip(2) + d_after + d_last[:, :, None]
         grads = (_token_rows(x, t.dtype) for x, t in zip((dQ, dK, dV, dB, dG), (q, k, v, beta, g)))
         return *grads, d_starting, None, None, None
