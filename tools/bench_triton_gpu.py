@@ -22,6 +22,8 @@ from pretrain.cli_help import HelpFormatter
 from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.delta_rule import delta_rule
 from pretrain.ops.delta_rule import triton as delta_kernels
+from pretrain.ops.dplr import kda_delta_rule
+from pretrain.ops.dplr import triton as kda_kernels
 from pretrain.ops.linear_attention import linear_attention
 from pretrain.ops.linear_attention import triton as kernels
 
@@ -174,20 +176,22 @@ def make_ops(B, T, H, D, chunk=64):
         return setup
 
     def gated(op, impl):
-        """Decayed linear attention (per-token log-decay) or the gated delta rule, ours (`chunk`, PyTorch; `triton`,
-        the decayed op's kernels) or fla's kernels through our adapter (`fla`): the mixers of the decay and
-        delta-rule issues."""
+        """Decayed linear attention (per-token log-decay), the gated delta rule or KDA (a log-decay per key
+        channel), ours (`chunk`, PyTorch; `triton`, our kernels) or fla's kernels through our adapter (`fla`): the
+        mixers of the decay and delta-rule issues."""
         def setup():
             q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-            if op == "delta":
+            if op != "decay":
                 k = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
             q, k = q.requires_grad_(), k.requires_grad_()
             v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
-            g = (-torch.rand(B, T, H, device=DEV) * 0.1).requires_grad_()
+            g = (-torch.rand(B, T, H, *[D] * (op == "kda"), device=DEV) * 0.1).requires_grad_()
             beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16).requires_grad_()
             do = torch.randn_like(v)
             if op == "decay":
                 f = lambda: decayed_linear_attention(q, k, v, g, impl=impl, chunk_size=chunk)
+            elif op == "kda":
+                f = lambda: kda_delta_rule(q, k, v, beta, g, impl=impl, chunk_size=chunk)
             else:
                 f = lambda: delta_rule(q, k, v, beta, g, impl=impl, chunk_size=chunk)
             leaves = (q, k, v, g) if op == "decay" else (q, k, v, g, beta)
@@ -203,11 +207,12 @@ def make_ops(B, T, H, D, chunk=64):
     ops["decay_triton"] = gated("decay", "triton")
     ops["decay_chunk"], ops["gated_delta_chunk"] = gated("decay", "chunk"), gated("delta", "chunk")
     ops["gated_delta_triton"] = gated("delta", "triton")  # issue 45's goal: ≤ 1.5× linear_triton at 16k
+    ops["kda_chunk"], ops["kda_triton"] = gated("kda", "chunk"), gated("kda", "triton")  # beside gated_delta_triton
     return ops
 
 
 # The PyTorch chunked forms are the slow reference points: past these lengths they cost minutes.
-PYTORCH_FORM_LONGEST_T = {"linear_chunk": 16384, "decay_chunk": 4096, "gated_delta_chunk": 4096}
+PYTORCH_FORM_LONGEST_T = {"linear_chunk": 16384, "decay_chunk": 4096, "gated_delta_chunk": 4096, "kda_chunk": 4096}
 
 
 def measure(setup, fwd_only):
@@ -396,7 +401,9 @@ def main():
     results = dict(device=torch.cuda.get_device_name() if DEV == "cuda" else DEV, torch=torch.__version__,
                    triton=triton.__version__,
                    python=platform.python_version(), cuda=torch.version.cuda, config=dict(kernels.CONFIG),
-                   delta_config=dict(scans=dict(delta_kernels.CONFIG), per_chunk=dict(delta_kernels.UT_CONFIG)))
+                   delta_config=dict(scans=dict(delta_kernels.CONFIG), per_chunk=dict(delta_kernels.UT_CONFIG)),
+                   kda_config=dict(scans=dict(kda_kernels.CONFIG), per_chunk=dict(kda_kernels.UT_CONFIG),
+                                   products=dict(kda_kernels.PRODUCTS_CONFIG)))
     try:
         import fla
         results["fla_core"] = getattr(fla, "__version__", "?")

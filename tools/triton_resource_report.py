@@ -1,9 +1,10 @@
 """Compile the linear-attention kernels (or the decayed op's: ``--op decayed``; the gated delta rule's: ``--op
-delta_rule``) for a GPU that is not here, and print what the compiler gives each one.
+delta_rule``; KDA's: ``--op kda``) for a GPU that is not here, and print what the compiler gives each one.
 
     python tools/triton_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
     python tools/triton_resource_report.py --op delta_rule   # at the module's CONFIG and UT_CONFIG
     python tools/triton_resource_report.py --op delta_rule --configs 16,4,1 --ut-configs 32,4,1
+    python tools/triton_resource_report.py --op kda --products-configs 4,1 8,1   # and its PRODUCTS_CONFIG
 
 For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
 (wgmma) instructions in the SASS, shared memory, and how many blocks an SM holds at once by them, per (channel
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pretrain.cli_help import HelpFormatter
 from pretrain.ops.decayed_linear_attention import triton as decayed_kernels
 from pretrain.ops.delta_rule import triton as delta_kernels
+from pretrain.ops.dplr import triton as kda_kernels
 from pretrain.ops.linear_attention import triton as kernels
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -60,7 +62,7 @@ def signature(fn, dtype, constexprs, in_dtype):
 # (the delta rule's kernels take fp32 chunk tensors only)
 IN_DTYPE = {"linear": ("q", "k", "v", "o", "g", "dq", "dk", "dv"),
             "decayed": ("q", "k", "v", "o", "do", "dq", "dk", "dv"),
-            "delta_rule": ()}
+            "delta_rule": (), "kda": ()}
 
 
 # An SM's limits by compute capability ×10 (CUDA's programming guide, "compute capabilities"): shared memory per
@@ -139,11 +141,44 @@ def delta_rule_kernels(a, chunk, scan=None, per_chunk=None):
     the shapes and launch settings its launchers use (``_geometry``, ``_ut_geometry``, ``_ut_backward_geometry``);
     ``scan`` (value block, warps, stages) replaces ``CONFIG`` and ``per_chunk`` (the UT backward's channel block,
     warps, stages) ``UT_CONFIG`` where given."""
+    scans, per_tile, whole, ut_backward = geometries(a, chunk, delta_kernels, scan, per_chunk)
+    return (("ut fwd", delta_kernels._ut_forward_kernel, whole),
+            ("scan+output", delta_kernels._scan_output_kernel, scans),
+            ("scan fwd", delta_kernels._scan_forward_kernel, scans),
+            ("output adj", delta_kernels._output_backward_kernel, per_tile),
+            ("scan bwd", delta_kernels._scan_backward_kernel, dict(scans, HAS_FINAL_GRAD=False)),
+            ("state grads", delta_kernels._state_grads_kernel, per_tile),
+            ("ut bwd", delta_kernels._ut_backward_kernel, ut_backward))
+
+
+def kda_rule_kernels(a, chunk, scan=None, per_chunk=None, products=None):
+    """The same for KDA's Triton form (its own ``CONFIG`` and ``UT_CONFIG``), and its products' kernels (one program
+    per sub-chunk) at ``PRODUCTS_CONFIG`` or ``products`` (warps, stages)."""
+    scans, per_tile, whole, ut_backward = geometries(a, chunk, kda_kernels, scan, per_chunk)
+    sub_chunks = kda_kernels._products_geometry(chunk, a.head_dim, "tf32")
+    if products:
+        sub_chunks.update(num_warps=products[0], num_stages=products[1])
+    return (("products", kda_kernels._products_kernel, sub_chunks),
+            ("ut fwd", kda_kernels._ut_forward_kernel, whole),
+            ("scan+output", kda_kernels._scan_kernel, dict(scans, OUTPUT=True)),
+            ("scan fwd", kda_kernels._scan_kernel, dict(scans, OUTPUT=False)),
+            ("output adj", kda_kernels._output_backward_kernel, per_tile),
+            ("scan bwd", kda_kernels._scan_backward_kernel, scans),
+            ("state grads", kda_kernels._state_grads_kernel, per_tile),
+            ("ut bwd", kda_kernels._ut_backward_kernel, ut_backward),
+            ("products bwd", kda_kernels._products_backward_kernel, sub_chunks))
+
+
+def geometries(a, chunk, module, scan, per_chunk):
+    """The scans', the per-chunk kernels', the UT forward's and the UT backward's constexprs and launch settings in
+    ``module`` (the delta rule's Triton form or KDA's, with its ``CONFIG`` and ``UT_CONFIG``), ``scan`` and
+    ``per_chunk`` replacing those where given."""
     shapes = (chunk, a.head_dim, a.head_dim, "tf32")
-    scans = dict(delta_kernels._geometry(*shapes), H=a.heads)
-    per_tile = delta_kernels._per_chunk_geometry(*shapes)  # the output adjoint, the state gradients
-    whole = delta_kernels._ut_geometry(*shapes)  # the UT forward: every channel in one program
-    ut_backward = delta_kernels._ut_backward_geometry(*shapes)
+    config, ut_config = module.CONFIG, module.UT_CONFIG
+    scans = dict(delta_kernels._geometry(*shapes, config), H=a.heads)
+    per_tile = delta_kernels._per_chunk_geometry(*shapes, config, ut_config)  # the output adjoint, state gradients
+    whole = delta_kernels._ut_geometry(*shapes, ut_config)  # the UT forward: every channel in one program
+    ut_backward = delta_kernels._ut_backward_geometry(*shapes, ut_config)
     if scan:
         scans.update(BV=scan[0], num_warps=scan[1], num_stages=scan[2])
         per_tile.update(BV=scan[0])
@@ -152,13 +187,7 @@ def delta_rule_kernels(a, chunk, scan=None, per_chunk=None):
         for geometry in (per_tile, whole, ut_backward):
             geometry.update(launch)
         ut_backward.update(BW=per_chunk[0])
-    return (("ut fwd", delta_kernels._ut_forward_kernel, whole),
-            ("scan+output", delta_kernels._scan_output_kernel, scans),
-            ("scan fwd", delta_kernels._scan_forward_kernel, scans),
-            ("output adj", delta_kernels._output_backward_kernel, per_tile),
-            ("scan bwd", delta_kernels._scan_backward_kernel, dict(scans, HAS_FINAL_GRAD=False)),
-            ("state grads", delta_kernels._state_grads_kernel, per_tile),
-            ("ut bwd", delta_kernels._ut_backward_kernel, ut_backward))
+    return scans, per_tile, whole, ut_backward
 
 
 def settings(text, count):
@@ -176,8 +205,10 @@ def main():
                         "channels, also of its output adjoint and state gradients), warps, stages (default: 64,8,2 "
                         "128,8,2 64,4,2 32,8,2; the delta rule: its CONFIG)")
     p.add_argument("--ut-configs", nargs="+",
-                   help="delta_rule: the UT backward's channel block, and warps, stages of every kernel with one "
+                   help="delta_rule, kda: the UT backward's channel block, and warps, stages of every kernel with one "
                         "program per chunk and head (default: its UT_CONFIG)")
+    p.add_argument("--products-configs", nargs="+",
+                   help="kda: warps, stages of the products' kernels (default: its PRODUCTS_CONFIG)")
     p.add_argument("--chunks", nargs="+", type=int, default=[64])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=32)
@@ -187,16 +218,21 @@ def main():
     p.add_argument("--segments", action="store_true",
                    help="linear: the kernels as segmented launches compile them (SEGMENTS an argument, not 1)")
     p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
-                   help="linear attention's kernels, decayed linear attention's or the gated delta rule's "
-                        "(--normalize applies to linear only; the delta rule's kernels take fp32, TF32 products)")
+                   help="linear attention's kernels, decayed linear attention's, the gated delta rule's or KDA's "
+                        "(--normalize applies to linear only; the delta rule's and KDA's kernels take fp32, TF32 "
+                        "products)")
     a = p.parse_args()
     for chunk in a.chunks:
-        if a.op == "delta_rule":
+        if a.op in ("delta_rule", "kda"):
             for scan in [settings(c, 3) for c in a.configs] if a.configs else [None]:
                 for per_chunk in [settings(c, 3) for c in a.ut_configs] if a.ut_configs else [None]:
-                    print(f"chunk={chunk} (delta_rule, TF32, sm_{a.arch}, Dk=Dv={a.head_dim}; scans at "
-                          f"{scan or 'CONFIG'}, per chunk at {per_chunk or 'UT_CONFIG'})", flush=True)
-                    show(a, delta_rule_kernels(a, chunk, scan, per_chunk))
+                    for products in [settings(c, 2) for c in a.products_configs or []] or [None]:
+                        print(f"chunk={chunk} ({a.op}, TF32, sm_{a.arch}, Dk=Dv={a.head_dim}; scans at "
+                              f"{scan or 'CONFIG'}, per chunk at {per_chunk or 'UT_CONFIG'}"
+                              + (f", products at {products or 'PRODUCTS_CONFIG'})" if a.op == "kda" else ")"),
+                              flush=True)
+                        show(a, kda_rule_kernels(a, chunk, scan, per_chunk, products) if a.op == "kda"
+                             else delta_rule_kernels(a, chunk, scan, per_chunk))
             continue
         for cfg in a.configs or ["64,8,2", "128,8,2", "64,4,2", "32,8,2"]:
             block, warps, stages = settings(cfg, 3)
@@ -215,7 +251,7 @@ def show(a, found):
         warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
         blocks = "".join(f", {label} {constexprs[key]}" for key, label in (("BV", "value block"),
                                                                            ("BW", "channel block"))
-                         if a.op == "delta_rule" and key in constexprs)
+                         if a.op in ("delta_rule", "kda") and key in constexprs)
         print(f"  {name:12s} {report(fn, constexprs, warps, stages, a.arch, a.dtype, a.op)}  "
               f"({warps} warps, {stages} stages{blocks})", flush=True)
 

@@ -6,15 +6,20 @@ shapes stay small because the interpreter is slow.
 """
 import importlib
 import warnings
+from functools import partial
 
+import kernel_checks
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import assert_close
 
 pytest.importorskip("triton")
 
 from pretrain.ops.delta_rule import delta_rule
 from pretrain.ops.first_use import forget_verdicts
+
+compare = partial(kernel_checks.compare, delta_rule)
 
 delta_module = importlib.import_module("pretrain.ops.delta_rule")  # the package (ops/ exports the function by its name)
 triton_module = importlib.import_module("pretrain.ops.delta_rule.triton")
@@ -42,36 +47,6 @@ def make_inputs(batch, length, heads, dk, dv, gates, *, seed, beta=(0.0, 1.0)):
     return [None if x is None else x.to(DEVICE) for x in (q, k, v, b, g)]
 
 
-def run_with_grads(inputs, state, dtype, *, impl, seed, **kwargs):
-    """Output, final state and the gradients of a fixed random function of both w.r.t. every input given, with the
-    inputs cast to ``dtype`` (the state to fp32 at most)."""
-    leaves = [None if x is None else x.detach().to(dtype).requires_grad_() for x in inputs]
-    S = None if state is None else state.detach().to(torch.promote_types(dtype, torch.float32)).requires_grad_()
-    o, final = delta_rule(*leaves, initial_state=S, output_final_state=True, impl=impl, **kwargs)
-    gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.device) for x in (o, final)]
-    loss = sum((x * w.to(x.dtype)).sum() for x, w in zip((o, final), weights))
-    given = [x for x in (*leaves, S) if x is not None]
-    return [o, final, *torch.autograd.grad(loss, given)]
-
-
-def assert_close(got, want, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: non-finite values"
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert err < tol, f"{what}: relative error {err:.2e} ≥ {tol:.0e}"
-
-
-def compare(inputs, state, *, dtype, tol, seed, **kwargs):
-    got = run_with_grads(inputs, state, dtype, impl="triton", seed=seed, **kwargs)
-    want = run_with_grads(inputs, state, torch.float64, impl="chunk", seed=seed, **kwargs)
-    names = ["o", "final state", "dq", "dk", "dv", "dβ"] + (["dg"] if inputs[4] is not None else []) + (
-        ["d initial state"] if state is not None else [])
-    assert len(got) == len(names)
-    for name, a, b in zip(names, got, want):
-        assert_close(a, b, tol(name) if callable(tol) else tol, name)
-    return got
-
-
 # (batch, T, heads, Dk, Dv, cu_seqlens, gates (None: DeltaNet), chunk size)
 CASES = {
     "deltanet_ragged_tail": (2, 37, 2, 16, 24, None, None, 16),
@@ -96,11 +71,7 @@ def test_matches_chunk_fp32(case):
     batch, length, heads, dk, dv, cu, gates, chunk = CASES[case]
     seed = list(CASES).index(case)
     inputs = make_inputs(batch, length, heads, dk, dv, gates, seed=seed)
-    num = batch if cu is None else len(cu) - 1
-    state = torch.randn(num, heads, dk, dv, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    cu_seqlens = None if cu is None else torch.tensor(cu, device=DEVICE)
-    compare(inputs, state.to(DEVICE), dtype=torch.float32, tol=1e-5, seed=seed, cu_seqlens=cu_seqlens,
-            chunk_size=chunk)
+    kernel_checks.compare_from_random_state(delta_rule, inputs, cu, chunk, seed=seed)
 
 
 @pytest.mark.parametrize("chunks_per_block", [1, 3])
@@ -200,15 +171,7 @@ def test_the_mixer_runs_it_as_is(gate):
 
     torch.manual_seed(0)
     layer = DeltaNet(32, 2, gate=gate, chunk_size=16).to(DEVICE)
-    x = torch.randn(1, 30, 32, device=DEVICE, requires_grad=True)
-    cu = torch.tensor([0, 7, 30], device=DEVICE)
-    results = []
-    for impl in ("triton", "chunk"):
-        layer.impl = impl
-        y = layer(x, cu_seqlens=cu)
-        results.append([y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])])
-    for name, got, want in zip(["y", "dx", *(n for n, _ in layer.named_parameters())], *results):
-        assert_close(got, want, 1e-5, name)
+    kernel_checks.assert_layer_matches_chunk(layer)
 
 
 def test_refuses_what_it_cannot_run(monkeypatch):

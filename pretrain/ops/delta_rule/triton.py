@@ -104,14 +104,14 @@ def _handing_factors(k, after, tile, C: tl.constexpr, DK: tl.constexpr, BC: tl.c
 
 @triton.jit
 def _scan_forward_kernel(
-    w, u, k, after, decay, initial, states, delta, final, first_chunk,
+    w, u, k, after, decay, initial, states, delta, first_chunk,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Over the chunks of one document and head, from its state in ``initial``: write the state entering each
-    chunk, Δ = U − W S per token and the state after its chunks. ``decay`` is e^{D_C} per chunk and head. The gate
-    scales Δ's rows, not K's (a C × block tile, not C × Dk: fewer registers)."""
-    i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
+    chunk and Δ = U − W S per token (the final state is the forward's). ``decay`` is e^{D_C} per chunk and head. The
+    gate scales Δ's rows, not K's (a C × block tile, not C × Dk: fewer registers)."""
+    i_h, c0, c1, v0, _, _, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     for c in range(c0, c1):
         tile = c * H + i_h  # int64: the offsets are loaded as such
         at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
@@ -123,7 +123,6 @@ def _scan_forward_kernel(
         tl.store(delta + at_v, d, mask=mask_v)
         K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
         S = _mm(tl.trans(K), d * e_after[:, None], S * tl.load(decay + tile), PRECISION)
-    tl.store(final + state_at, S, mask=state_mask)
 
 
 @triton.jit
@@ -160,6 +159,25 @@ def _scan_backward_kernel(
 
 
 @triton.jit
+def _through_state(states, grad_after, delta, delta_grad, tile, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
+    """Of one chunk and head, summed over value blocks: ``dΔ Sᵀ``, ``Δ Gᵀ`` (``[BC, BK]``) and ``Σ S ⊙ G`` per key
+    channel (S the state entering the chunk, G the gradient of the state leaving it)."""
+    d_w = tl.zeros([BC, BK], dtype=tl.float32)
+    d_hands = tl.zeros([BC, BK], dtype=tl.float32)
+    through_decay = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, DV, BV):
+        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
+        S = tl.load(states + at, mask=mask, other=0.0)
+        G = tl.load(grad_after + at, mask=mask, other=0.0)
+        d_w = _mm(tl.load(delta_grad + at_v, mask=mask_v, other=0.0), tl.trans(S), d_w, PRECISION)
+        d_hands = _mm(tl.load(delta + at_v, mask=mask_v, other=0.0), tl.trans(G), d_hands, PRECISION)
+        through_decay += tl.sum(S * G, 1)
+    return d_w, d_hands, through_decay
+
+
+@triton.jit
 def _state_grads_kernel(
     k, after, decay, states, grad_after, delta, delta_grad, dw, dk, d_after, d_last,
     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -170,17 +188,9 @@ def _state_grads_kernel(
     and whose e^{D_C − D} part it writes per row; and ``e^{D_C}``'s, ``Σ S ⊙ G``, times e^{D_C} (the gradient of the
     chunk's summed gate). dW and Δ Gᵀ sum over value blocks."""
     tile = tl.program_id(0).to(tl.int64)
-    d_w = tl.zeros([BC, BK], dtype=tl.float32)
-    d_hands = tl.zeros([BC, BK], dtype=tl.float32)
-    through_decay = 0.0
-    for v0 in range(0, DV, BV):
-        at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
-        at_v, mask_v = _tile_offsets(tile, C, DV, v0, BC, BV)
-        S = tl.load(states + at, mask=mask, other=0.0)
-        G = tl.load(grad_after + at, mask=mask, other=0.0)
-        d_w = _mm(tl.load(delta_grad + at_v, mask=mask_v, other=0.0), tl.trans(S), d_w, PRECISION)
-        d_hands = _mm(tl.load(delta + at_v, mask=mask_v, other=0.0), tl.trans(G), d_hands, PRECISION)
-        through_decay += tl.sum(S * G)
+    d_w, d_hands, through_decay = _through_state(states, grad_after, delta, delta_grad, tile, C, DK, DV, BC, BK, BV,
+                                                 PRECISION)
+    through_decay = tl.sum(through_decay)
     K, e_after = _handing_factors(k, after, tile, C, DK, BC, BK)
     at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
     tl.store(dw + at_k, -d_w, mask=mask_k)
@@ -287,6 +297,18 @@ def _chunk_factors(k, beta, log_decay, tile, C: tl.constexpr, DK: tl.constexpr, 
 
 
 @triton.jit
+def _unit_lower_inverse(M, C: tl.constexpr, BC: tl.constexpr):
+    """``(I + M)⁻¹`` of a strictly lower ``M [BC, BC]`` (zero past row C) by forward substitution, row by row."""
+    rows = tl.arange(0, BC)
+    A = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for i in range(1, C):  # row i of A: e_i − Σ_{j<i} M_ij (row j of A); rows ≥ i of A are still e_j, M_ij = 0
+        m_i = tl.sum(tl.where(rows[:, None] == i, M, 0.0), 0)
+        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(m_i[:, None] * A, 0)
+        A = tl.where(rows[:, None] == i, row[None, :], A)
+    return A
+
+
+@triton.jit
 def _ut_forward_kernel(
     k, v, beta, log_decay, a, w, u,
     C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
@@ -298,19 +320,29 @@ def _ut_forward_kernel(
     backward."""
     tile = tl.program_id(0).to(tl.int64)
     K, b, d, KK, decay, strict = _chunk_factors(k, beta, log_decay, tile, C, DK, BC, BK, PRECISION)
-    M = tl.where(strict, b[:, None] * decay * KK, 0.0)
-    rows = tl.arange(0, BC)
-    A = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    for i in range(1, C):  # row i of A: e_i − Σ_{j<i} M_ij (row j of A); rows ≥ i of A are still e_j, M_ij = 0
-        m_i = tl.sum(tl.where(rows[:, None] == i, M, 0.0), 0)
-        row = tl.where(rows == i, 1.0, 0.0) - tl.sum(m_i[:, None] * A, 0)
-        A = tl.where(rows[:, None] == i, row[None, :], A)
+    A = _unit_lower_inverse(tl.where(strict, b[:, None] * decay * KK, 0.0), C, BC)
     at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
     tl.store(a + at_a, A, mask=mask_a)
     at_k, mask_k = _tile_offsets(tile, C, DK, 0, BC, BK)
     tl.store(w + at_k, _mm(A * (b * tl.exp(d))[None, :], K, None, PRECISION), mask=mask_k)
     at_v, mask_v = _tile_offsets(tile, C, DV, 0, BC, BVF)
     tl.store(u + at_v, _mm(A * b[None, :], tl.load(v + at_v, mask=mask_v, other=0.0), None, PRECISION), mask=mask_v)
+
+
+@triton.jit
+def _scaled_rows_backward(x, du, dx, A, b, dA, db, tile, C: tl.constexpr, WIDTH: tl.constexpr, BC: tl.constexpr,
+                          BW: tl.constexpr, PRECISION: tl.constexpr):
+    """The gradient of ``U = A (β X)`` (``x``, ``du``: [C, WIDTH] chunk tensors, in blocks of ``BW`` columns): writes
+    X's, ``β Aᵀ dU``, to ``dx``; returns ``dA + dU (β X)ᵀ`` and ``dβ + Σ (Aᵀ dU) ⊙ X`` per row."""
+    for c0 in range(0, WIDTH, BW):
+        at, mask = _tile_offsets(tile, C, WIDTH, c0, BC, BW)
+        X = tl.load(x + at, mask=mask, other=0.0)
+        dU = tl.load(du + at, mask=mask, other=0.0)
+        dX = _mm(tl.trans(A), dU, None, PRECISION)
+        tl.store(dx + at, dX * b[:, None], mask=mask)
+        db += tl.sum(dX * X, 1)
+        dA = _mm(dU, tl.trans(X * b[:, None]), dA, PRECISION)
+    return dA, db
 
 
 @triton.jit
@@ -345,15 +377,7 @@ def _ut_backward_kernel(
         KK = _mm(K, tl.trans(K), KK, PRECISION)
         dA = _mm(dW, tl.trans(K * scale[:, None]), dA, PRECISION)
         through_x += tl.sum(_mm(tl.trans(A), dW, None, PRECISION) * K, 1)
-    db = tl.exp(d) * through_x
-    for c0 in range(0, DV, BW):
-        at, mask = _tile_offsets(tile, C, DV, c0, BC, BW)
-        V = tl.load(v + at, mask=mask, other=0.0)
-        dU = tl.load(du + at, mask=mask, other=0.0)
-        dY = _mm(tl.trans(A), dU, None, PRECISION)
-        tl.store(dv + at, dY * b[:, None], mask=mask)
-        db += tl.sum(dY * V, 1)
-        dA = _mm(dU, tl.trans(V * b[:, None]), dA, PRECISION)
+    dA, db = _scaled_rows_backward(v, du, dv, A, b, dA, tl.exp(d) * through_x, tile, C, DV, BC, BW, PRECISION)
     strict = (rows[:, None] > rows[None, :]) & (rows < C)[:, None]  # rows past C (D reads 0) too: no overflow
     decay = tl.exp(tl.where(strict, d[:, None] - d[None, :], float("-inf")))
     dM = tl.where(strict, -_mm(tl.trans(A), _mm(dA, tl.trans(A), None, PRECISION), None, PRECISION), 0.0)
@@ -386,15 +410,12 @@ class _Block(torch.autograd.Function):
         D = G.cumsum(-1)
         _, W, U = _ut_forward(K, V, B, D, precision)
         out, final = _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision)
-        ctx.save_for_backward(q, k, v, beta, g, starting, first_chunk)
-        ctx.chunks, ctx.precision = chunks, precision
-        ctx.set_materialize_grads(False)
+        _keep_inputs(ctx, (q, k, v, beta, g, starting, first_chunk), chunks, precision)
         return _token_rows(out, q.dtype), final
 
     @staticmethod
     def backward(ctx, d_rows, d_final):
-        q, k, v, beta, g, starting, first_chunk = ctx.saved_tensors
-        chunks, precision = ctx.chunks, ctx.precision
+        q, k, v, beta, g, starting, first_chunk, chunks, precision = _kept_inputs(ctx)
         Q, K, V, B, G = (_chunk_rows(x, chunks) for x in (q, k, v, beta, g))
         D = G.cumsum(-1)  # [n, H, C]
         # D_C − D as a sum of the later gates, not a difference, and the last token's e^{D_C − D} the constant 1 (as
@@ -418,6 +439,19 @@ class _Block(torch.autograd.Function):
         return *grads, d_starting, None, None, None
 
 
+def _keep_inputs(ctx, inputs, chunks, precision):
+    """What a block's Function keeps for its backward: its inputs (tensors), its number of chunks and the products'
+    precision; no gradient is made up for an output backward got none for."""
+    ctx.save_for_backward(*inputs)
+    ctx.chunks, ctx.precision = chunks, precision
+    ctx.set_materialize_grads(False)
+
+
+def _kept_inputs(ctx) -> tuple:
+    """What ``_keep_inputs`` kept: the inputs, then the number of chunks and the precision."""
+    return *ctx.saved_tensors, ctx.chunks, ctx.precision
+
+
 def _ut_forward(K, V, B, D, precision):
     """The UT transform of chunk tensors ``[n, H, C, *]`` (fp32, contiguous), every (chunk, head) a program →
     (A, W, U)."""
@@ -437,19 +471,19 @@ def _ut_backward(K, V, B, D, A, dW, dU, precision):
     return dk, dv, dbeta, dlog
 
 
-def _ut_geometry(size, dk, dv, precision) -> dict:
-    """The UT forward kernel's shapes (every channel in one program) and launch settings (``UT_CONFIG``)."""
+def _ut_geometry(size, dk, dv, precision, config=UT_CONFIG) -> dict:
+    """The UT forward kernel's shapes (every channel in one program) and launch settings (``config``)."""
     return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
                 BK=max(16, triton.next_power_of_2(dk)), BVF=max(16, triton.next_power_of_2(dv)),
-                PRECISION=precision, **_launch(UT_CONFIG))
+                PRECISION=precision, **_launch(config))
 
 
-def _ut_backward_geometry(size, dk, dv, precision) -> dict:
-    """The UT backward kernel's shapes (blocks of ``UT_CONFIG``'s channel block, key or value channels) and launch
+def _ut_backward_geometry(size, dk, dv, precision, config=UT_CONFIG) -> dict:
+    """The UT backward kernel's shapes (blocks of ``config``'s channel block, key or value channels) and launch
     settings."""
     return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
-                BW=min(UT_CONFIG["channel_block"], max(16, triton.next_power_of_2(max(dk, dv)))),
-                PRECISION=precision, **_launch(UT_CONFIG))
+                BW=min(config["channel_block"], max(16, triton.next_power_of_2(max(dk, dv)))),
+                PRECISION=precision, **_launch(config))
 
 
 def _scan_forward(W, U, K, after, decay, starting, first_chunk, precision):
@@ -458,10 +492,9 @@ def _scan_forward(W, U, K, after, decay, starting, first_chunk, precision):
     n, heads, size, dk = W.shape
     dv, docs = U.shape[-1], first_chunk.numel() - 1
     states, delta = W.new_empty(n, heads, dk, dv), torch.empty_like(U)
-    final = W.new_empty(docs, heads, dk, dv)  # the forward's, again
     geometry = _geometry(size, dk, dv, precision)
     _scan_forward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-        W, U, K, after, decay, starting, states, delta, final, first_chunk, H=heads, **geometry)
+        W, U, K, after, decay, starting, states, delta, first_chunk, H=heads, **geometry)
     return states, delta
 
 
@@ -499,19 +532,19 @@ def _output_backward(Q, K, D, states, delta, dO, precision):
     return d_states, d_delta, dq, dk_out, dlog
 
 
-def _geometry(size, dk, dv, precision) -> dict:
-    """The kernels' shapes and launch settings: blocks of at least 16 (``tl.dot``), powers of two, masked to the real
-    widths."""
+def _geometry(size, dk, dv, precision, config=CONFIG) -> dict:
+    """The scans' shapes and launch settings (``config``: value block, warps, stages): blocks of at least 16
+    (``tl.dot``), powers of two, masked to the real widths."""
     return dict(C=size, DK=dk, DV=dv, BC=max(16, triton.next_power_of_2(size)),
                 BK=max(16, triton.next_power_of_2(dk)),
-                BV=min(CONFIG["value_block"], max(16, triton.next_power_of_2(dv))), PRECISION=precision,
-                **_launch(CONFIG))
+                BV=min(config["value_block"], max(16, triton.next_power_of_2(dv))), PRECISION=precision,
+                **_launch(config))
 
 
-def _per_chunk_geometry(size, dk, dv, precision) -> dict:
-    """The shapes of ``_geometry`` (value blocks of ``CONFIG``'s width) for a kernel with one program per chunk and
-    head, launched as the UT kernels (``UT_CONFIG``)."""
-    return dict(_geometry(size, dk, dv, precision), **_launch(UT_CONFIG))
+def _per_chunk_geometry(size, dk, dv, precision, config=CONFIG, per_chunk=UT_CONFIG) -> dict:
+    """The shapes of ``_geometry`` (value blocks of ``config``'s width) for a kernel with one program per chunk and
+    head, launched as the UT kernels (``per_chunk``)."""
+    return dict(_geometry(size, dk, dv, precision, config), **_launch(per_chunk))
 
 
 def _launch(config: dict) -> dict:
@@ -588,14 +621,15 @@ def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int,
     return _layouts.get(cu_seqlens, build, batch, length, size, str(device))
 
 
-def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str):
-    """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta, g [·, H]``) from ``entering`` (the
-    state of the document running into chunk lo, if one does) → their ``o`` rows (input dtype), the state of the
-    document running past chunk hi-1 (if one does) and the final states of the documents ending in them."""
+def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str, function):
+    """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta [·, H]``, ``g [·, H, *]``) from
+    ``entering`` (the state of the document running into chunk lo, if one does) through ``function`` (an autograd
+    Function as ``_Block``) → their ``o`` rows (input dtype), the state of the document running past chunk hi-1 (if
+    one does) and the final states of the documents ending in them."""
     d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
     given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
     starting = (torch.cat([entering[None], given[1:]]) if runs_in else given).contiguous()
-    rows, leaving = _Block.apply(q, k, v, beta, g, starting, first_chunk, hi - lo, precision)
+    rows, leaving = function.apply(q, k, v, beta, g, starting, first_chunk, hi - lo, precision)
     return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
 
 
@@ -625,8 +659,16 @@ def _output_in_scan(Q, K, D, W, U, starting, first_chunk, precision):
     return out, final
 
 
-def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state, chunk_size):
+def delta_rule_triton(q, k, v, beta, g, **options):
     """``delta_rule(..., impl="triton")``: same arguments (checked there, ``g`` filled in) and results."""
+    return run_in_blocks(_Block, "delta_rule", q, k, v, beta, g, **options)
+
+
+def run_in_blocks(function, op: str, q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state,
+                  chunk_size):
+    """A delta-rule Triton form's entry (``op``'s, checked there): the inputs as padded token rows, walked in
+    blocks of chunks, each block one call of the autograd Function ``function`` (``_Block``'s arguments and
+    results)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {q.device}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -634,7 +676,7 @@ def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fin
     batch, length, heads, dk = q.shape
     dv = v.shape[-1]
     if max(dk, dv) > MAX_HEAD_DIM:
-        raise ValueError(f"delta_rule(impl='triton') supports head dims up to {MAX_HEAD_DIM}; got k {dk}, v {dv}")
+        raise ValueError(f"{op}(impl='triton') supports head dims up to {MAX_HEAD_DIM}; got k {dk}, v {dv}")
     if os.environ.get("TRITON_INTERPRET") == "1":
         precision = "interpret"
     else:
@@ -644,7 +686,7 @@ def delta_rule_triton(q, k, v, beta, g, *, cu_seqlens, initial_state, output_fin
     blocks = bounded_blocks(layout.count, heads, chunk_size, max(dk, dv), BLOCK_ELEMENTS)
     plan = dict(zip(blocks, layout.plan(blocks)))
     entering = q.new_zeros(heads, dk, dv, dtype=torch.float32)  # no document runs into the first chunk
-    block = partial(_block, plan=plan, precision=precision)
+    block = partial(_block, plan=plan, precision=precision, function=function)
     rows, _, finals = in_blocks(block, blocks, chunk_size, tokens, entering, initial_state, recompute=False)
     o = layout.unpad(rows).view(batch, length, heads, dv)
     return (o, torch.cat(finals)) if output_final_state else o

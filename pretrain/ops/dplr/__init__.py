@@ -8,18 +8,27 @@ per-channel log-decays masked before ``exp``) and ``recurrent`` (rank-1 updates,
 in. The gated delta rule is the case ``g`` equal over channels, ``a = −β k``, ``b = e^g k``, keys ``β k``.
 
 ``kda_delta_rule`` is Kimi Delta Attention's case, ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k`` from ``k``, β and
-``g``: the same forms, the chunked one computing two products per chunk instead of four.
+``g``: the same forms, the chunked one computing two products per chunk instead of four, and ``triton`` (the chunked
+form in Triton, CUDA: ``triton.py``), which ``auto`` takes on CUDA once it passed its first-use check. The general
+rule has no Triton form.
 """
 import torch
+import torch.nn.functional as F
 
 from ..delta_rule.state import check_state
 from ..documents import check_offsets, check_packing
+from ..first_use import first_use_ok, sample_inputs
 from .chunk import dplr_chunk, kda_chunk
 from .library import dplr_delta_rule_op, kda_delta_rule_op
 from .naive import dplr_naive
 from .recurrent import dplr_recurrent
 
-IMPLS = ("auto", "naive", "chunk", "recurrent")
+try:  # Triton is optional (the gpu extra); without it impl="auto" takes the chunked form
+    from .triton import MAX_HEAD_DIM, kda_triton
+except ImportError:
+    kda_triton = None
+
+IMPLS = ("auto", "naive", "chunk", "recurrent", "triton")
 
 
 def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -35,9 +44,13 @@ def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
     initial_state ``[N, H, Dk, Dv]`` (N = batch, or documents): the state before the first token (None: zeros).
     Returns ``o`` in the input dtype, or ``(o, final_state)`` in fp32 (fp64 for fp64 inputs).
-    impl: ``auto`` (= ``chunk``), ``naive``, ``chunk`` or ``recurrent``.
+    impl: ``auto`` (= ``chunk``), ``naive``, ``chunk`` or ``recurrent``; ``triton`` is ``kda_delta_rule``'s only (no
+    Triton form of an arbitrary a, b yet).
     """
     _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl)
+    if impl == "triton":
+        raise ValueError("dplr_delta_rule has no Triton form for a general transition (arbitrary a, b); "
+                         "impl='triton' is kda_delta_rule's (KDA's case). Use impl='chunk'")
     if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
         return dplr_delta_rule_op(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                   output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
@@ -53,21 +66,62 @@ def kda_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
                    cu_seqlens: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
                    output_final_state: bool = False, chunk_size: int = 64, impl: str = "auto"):
     """Kimi Delta Attention's rule, ``S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ``: β ``[B, T, H]``,
-    g ``[B, T, H, Dk]`` (≤ 0), k L2-normalized by the caller; otherwise as ``dplr_delta_rule``."""
+    g ``[B, T, H, Dk]`` (≤ 0), k L2-normalized by the caller; otherwise as ``dplr_delta_rule``, whose impls it takes,
+    and ``triton`` (CUDA; fp32, bf16, fp16): ``auto`` on CUDA takes it once it passed its first-use check, else
+    ``chunk``."""
     if tuple(beta.shape) != tuple(q.shape[:3]):
         raise ValueError(f"kda_delta_rule wants beta [B, T, H] = {tuple(q.shape[:3])}; got {tuple(beta.shape)}")
     if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
         return kda_delta_rule_op(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                  output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
     write = beta[..., None].to(k.dtype) * k
-    if impl not in ("auto", "chunk"):  # the general forms, on the transition written out
+    if impl in ("naive", "recurrent"):  # the general forms, on the transition written out
         return dplr_delta_rule(q, write, v, -write, g.exp().to(k.dtype) * k, g, cu_seqlens=cu_seqlens,
                                initial_state=initial_state, output_final_state=output_final_state,
                                chunk_size=chunk_size, impl=impl)
     _check_inputs(q, k, v, write, write, g, cu_seqlens, chunk_size, impl)
     _check_state(q, v, cu_seqlens, initial_state)
+    if impl == "auto":
+        impl = "triton" if _triton_may_run(q, v) and _trusted(q, v, cu_seqlens, chunk_size) else "chunk"
+    if impl == "triton":
+        if kda_triton is None:
+            raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
+        return kda_triton(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+                          output_final_state=output_final_state, chunk_size=chunk_size)
     return kda_chunk(q, k, v, beta.to(k.dtype), g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                      output_final_state=output_final_state, chunk_size=chunk_size)
+
+
+def _triton_may_run(q, v) -> bool:
+    """Whether ``auto`` may consider KDA's Triton form at all: CUDA, a dtype and head widths it takes, Triton there."""
+    return (q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and kda_triton is not None
+            and max(q.shape[3], v.shape[3]) <= MAX_HEAD_DIM)
+
+
+def _trusted(q, v, cu_seqlens, chunk_size) -> bool:
+    """KDA's Triton form's first-use check (``ops/first_use.py``) for this device, dtype and request class, as the
+    delta rule's: three chunks of two heads of the request's widths, k L2-normalized, gates per channel, an initial
+    state in and the final state out (folded into the compared output), a document boundary inside a chunk when the
+    request packs them."""
+    heads, dk, dv = min(q.shape[2], 2), q.shape[3], v.shape[3]
+    length, packed = 2 * 64 + 5, cu_seqlens is not None
+    key = ("kda_triton", str(q.device), q.dtype, dk, dv, packed, chunk_size)
+    shapes = [(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (2 if packed else 1, heads, dk, dv),
+                                             (1, length, heads), (1, length, heads, dk)]
+
+    def inputs():
+        return sample_inputs(shapes, like=q, positive=(False, False, False, False, True, True))
+
+    def run(impl):
+        def call(q, k, v, S, beta, forget):
+            cu = torch.tensor([0, 37, length], device=q.device) if packed else None
+            o, final = kda_delta_rule(q * dk ** -0.5, F.normalize(k, dim=-1), v, beta, -forget, cu_seqlens=cu,
+                                      initial_state=S, output_final_state=True, chunk_size=chunk_size, impl=impl)
+            return torch.cat([o.flatten(), final.flatten().to(o.dtype)])
+        return call
+
+    return first_use_ok(key, run("triton"), run("chunk"), inputs, kernel_name="our Triton KDA form",
+                        reference_name="the chunked form (impl='chunk')")
 
 
 def _check_state(q, v, cu_seqlens, initial_state):
