@@ -251,7 +251,7 @@ class _DecayedLinearAttention(torch.autograd.Function):
         q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
         geo = _Launch(q, v, cu_seqlens, chunk_size)
         o = torch.empty_like(v, dtype=out_dtype)
-        S_T = geo.states(fields="S", device=q.device)[0]
+        S_T = geo.states(fields="S")[0]
         _forward_kernel[(geo.N * geo.H, geo.NV)](
             q, k, v, g, o, o if S_0 is None else S_0, S_T, cu_seqlens, HAS_INITIAL=S_0 is not None,
             STORE_FINAL=True, BK=geo.BK_full, BV=geo.BV_split, **geo.common())
@@ -275,7 +275,7 @@ class _DecayedLinearAttention(torch.autograd.Function):
             q, k, v, g, do, dq, dg, q if S_0 is None else S_0, dS_T, last, geo.cu_seqlens, dg.stride(0),
             HAS_INITIAL=S_0 is not None, HAS_FINAL_GRAD=has_final_grad, **split_k, **geo.common())
         want_d_initial = S_0 is not None and ctx.needs_input_grad[4]
-        dS_0 = geo.states(fields="S", device=dev)[0] if want_d_initial else dg
+        dS_0 = geo.states(fields="S")[0] if want_d_initial else dg
         for for_dk in (True, False):
             _backward_dk_dv_kernel[(geo.N * geo.H, geo.NK if for_dk else geo.NV)](
                 q, k, v, g, do, dk, dv, dg, dS_T, last, dS_0, geo.cu_seqlens, dg.stride(0), FOR_DK=for_dk,
