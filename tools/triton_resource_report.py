@@ -124,7 +124,8 @@ def linear_kernels(a, block, chunk):
     dv = dict(split_v, FOR_DK=False, HAS_DU=a.normalize == "subtractive", **sweep)
     if a.op == "decayed":
         source = decayed_kernels
-        forward = dict(split_v, HAS_INITIAL=False, STORE_FINAL=False)
+        forward = dict(split_v, HAS_INITIAL=False, HAS_STARTS=a.segments, STORE_O=True, OUT=0,
+                       SEGMENTED=a.segments)  # (its forward alone is segmented)
         dq = dict(split_k, HAS_INITIAL=False, HAS_FINAL_GRAD=False)
         dk = dict(split_k, FOR_DK=True, HAS_FINAL_GRAD=False, STORE_DS=False)
         dv = dict(split_v, FOR_DK=False, HAS_FINAL_GRAD=False, STORE_DS=False)
@@ -185,8 +186,8 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
     p.add_argument("--segments", action="store_true",
-                   help="linear: the kernels as segmented launches compile them (each program reads its "
-                        "segment from the table)")
+                   help="the kernels as segmented launches compile them (each program reads its segment from "
+                        "the table; the decayed op's forward only)")
     p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
                    help="linear attention's kernels, decayed linear attention's or the gated delta rule's "
                         "(--normalize applies to linear only; the delta rule's kernels take fp32, TF32 products)")

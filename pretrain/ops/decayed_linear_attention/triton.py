@@ -25,6 +25,12 @@ product, with S_in at hand); the dk sweep subtracts ``k·dk`` and runs the rever
 blocks' parts add up outside. (The chunked form's autograd leaves both to cancel: in fp32 at g ≈ −20 its dg is
 wrong in every digit; ours is within 1e-5 of fp64.)
 
+Segments. The forward cuts long documents as the undecayed kernels do (their rule and table): a sums pass writes each
+segment's own state from zero and its log-decay ``Σ g``, a running sum over each document's segments gives each the
+state it starts from, ``S ← e^{Σ g} S + part`` (fla's ``chunk_fwd_kernel_h_reduction`` idea), and the main pass runs
+one program per segment or uncut document. The backward's sweeps keep one program per document (its ``Σ_{t≥s}`` of
+dg would need each segment's later sum added afterwards).
+
 ``normalize="divisive"`` is the same kernels on v with a column of ones (the denominator, ``z`` decaying as S does),
 then a quotient; the same kernels run on CPU under ``TRITON_INTERPRET=1``, where the tests hold them to ``chunk``.
 """
@@ -34,7 +40,18 @@ import triton.language as tl
 
 from ..linear_attention.normalize import _Quotient
 from ..linear_attention.state import LinearAttentionState
-from ..linear_attention.triton import _Launch, _load, _mm, _program, _store, kernel_offsets
+from ..linear_attention.triton import (
+    _combine,
+    _Launch,
+    _load,
+    _load_state,
+    _mm,
+    _program,
+    _segment_program,
+    _store,
+    _store_state,
+    kernel_offsets,
+)
 
 
 @triton.jit
@@ -59,39 +76,50 @@ def _decay_matrix(b, BT: tl.constexpr, STRICT: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(
-    q, k, v, g, o, s_in, s_out, cu_seqlens,
+    q, k, v, g, o, s_0, s_in, s_out, decay_out, cu_seqlens, table,
     T, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, HAS_STARTS: tl.constexpr, STORE_O: tl.constexpr, OUT: tl.constexpr,
+    SEGMENTED: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """A block of value channels, every key channel: o per chunk, the state carried and (STORE_FINAL) stored."""
-    i_v, i_nh, origin, length = _program(cu_seqlens, T, H, VARLEN)
+    """A block of value channels, every key channel, over one segment (the undecayed kernels' ``_segment_program``;
+    without a table, the whole document): o per chunk (STORE_O), the state carried from the one it is given
+    (``s_0``, the initial state, where the segment has no slot; else ``s_in``, its slot's) and stored with OUT
+    (``_store_state``). The sums pass (OUT 2) also stores the segment's log-decay Σ g into ``decay_out``."""
+    i_v, doc_row, slot_row, origin, length, first, stop = _segment_program(cu_seqlens, table, T, H, VARLEN,
+                                                                           SEGMENTED)
     q, k = q + origin * DK, k + origin * DK
     v, o = v + origin * DV, o + origin * DV
     g += origin
     ck, cv = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     dtype = q.dtype.element_ty
 
-    state_offs = i_nh.to(tl.int64) * DK * DV + ck[:, None] * DV + cv[None, :]
+    state_offs = ck[:, None] * DV + cv[None, :]
     state_mask = (ck < DK)[:, None] & (cv < DV)[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
-    if HAS_INITIAL:
-        S += tl.load(s_in + state_offs, mask=state_mask, other=0.0)
+    if HAS_INITIAL or HAS_STARTS:
+        S += _load_state(s_0, s_in, doc_row, slot_row, DK * DV, state_offs, state_mask, HAS_INITIAL, HAS_STARTS)
 
-    for start in range(0, length, BT):
+    decay = 0.0
+    for start in range(first, stop, BT):
         b, b_last = _chunk_decay(g, start, length, H, BT)
-        q_c = _load(q, length, DK, start, 0, H, BT, BK)
+        if STORE_O:
+            q_c = _load(q, length, DK, start, 0, H, BT, BK)
         k_c = _load(k, length, DK, start, 0, H, BT, BK)
         v_c = _load(v, length, DV, start, i_v * BV, H, BT, BV)
-        num = _mm((q_c.to(tl.float32) * tl.exp(b)[:, None]).to(dtype), S.to(dtype), None, PRECISION)
-        A = _mm(q_c, tl.trans(k_c), None, PRECISION) * _decay_matrix(b, BT, False)
-        num = _mm(A.to(dtype), v_c, num, PRECISION)
-        _store(o, num, length, DV, start, i_v * BV, H, BT, BV)
+        if STORE_O:
+            num = _mm((q_c.to(tl.float32) * tl.exp(b)[:, None]).to(dtype), S.to(dtype), None, PRECISION)
+            A = _mm(q_c, tl.trans(k_c), None, PRECISION) * _decay_matrix(b, BT, False)
+            num = _mm(A.to(dtype), v_c, num, PRECISION)
+            _store(o, num, length, DV, start, i_v * BV, H, BT, BV)
         k_end = (k_c.to(tl.float32) * tl.exp(b_last - b)[:, None]).to(dtype)
         S = _mm(tl.trans(k_end), v_c, S * tl.exp(b_last), PRECISION)
+        decay += b_last
 
-    if STORE_FINAL:
-        tl.store(s_out + state_offs, S, mask=state_mask)
+    if OUT > 0:
+        _store_state(s_out, S, doc_row, slot_row, DK * DV, state_offs, state_mask, OUT)
+    if OUT == 2:
+        _store_state(decay_out, decay, doc_row, slot_row, 1, 0, i_v == 0, OUT)
 
 
 @triton.jit
@@ -250,11 +278,25 @@ class _DecayedLinearAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, g, S_0, cu_seqlens, chunk_size, out_dtype):
         q, k, v, g = q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous()
         geo = _Launch(q, v, cu_seqlens, chunk_size)
+        geo.segment(causal=True)  # the forward only: the backward's sweeps keep one program per document
         o = torch.empty_like(v, dtype=out_dtype)
         S_T = geo.states(fields="S")[0]
-        _forward_kernel[(geo.N * geo.H, geo.NV)](
-            q, k, v, g, o, o if S_0 is None else S_0, S_T, cu_seqlens, HAS_INITIAL=S_0 is not None,
-            STORE_FINAL=True, BK=geo.BK_full, BV=geo.BV_split, **geo.common())
+
+        def forward(rows, *, store_o, by_slot=None, out, decays=None):  # (S_T stands in for absent fp32 buffers)
+            _forward_kernel[(rows, geo.NV)](
+                q, k, v, g, o, S_T if S_0 is None else S_0, S_T if by_slot is None else by_slot, out,
+                S_T if decays is None else decays, cu_seqlens, HAS_INITIAL=S_0 is not None,
+                HAS_STARTS=by_slot is not None, STORE_O=store_o, OUT=1 if decays is None else 2, BK=geo.BK_full,
+                BV=geo.BV_split, **geo.segmented())
+
+        if geo.pairs is None:
+            forward(geo.rows, store_o=True, out=S_T)
+        else:  # the cut documents' segments' own states and log-decays, a running sum with decay, then o
+            parts = geo.states(fields="S", slots=True)[0]
+            decays = torch.empty(geo.slots, geo.H, dtype=torch.float32, device=q.device)
+            forward(geo.slotted_rows, store_o=False, out=parts, decays=decays)
+            (starts,) = _combine(geo, (parts,), None if S_0 is None else (S_0,), (S_T,), "forward", decays)
+            forward(geo.rows, store_o=True, by_slot=starts, out=S_T)
         ctx.save_for_backward(q, k, v, g, S_0)
         ctx.geo = geo
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: no dS_T terms to run

@@ -409,12 +409,14 @@ def _backward_dk_dv_kernel(
 
 
 @triton.jit
-def _combine_kernel(parts, edge, starts, totals, spans, H, WIDTH, HAS_EDGE: tl.constexpr, HAS_TOTAL: tl.constexpr,
-                    ORDER: tl.constexpr, BLOCK: tl.constexpr):
+def _combine_kernel(parts, decays, edge, starts, totals, spans, H, WIDTH, HAS_DECAY: tl.constexpr,
+                    HAS_EDGE: tl.constexpr, HAS_TOTAL: tl.constexpr, ORDER: tl.constexpr, BLOCK: tl.constexpr):
     """For one (cut document, head) and a block of one state field's elements: the state each of its segments
     starts from and the total, a running fp32 sum over its segments' own sums (``parts``, by slot) from ``edge``
     (the state at the document's edge, by document). ``spans``: per cut document (document, first slot, end slot).
-    ORDER 0: a segment starts from the ones before it; 1 (the gradient sweeps): after it; 2 (global): all."""
+    ORDER 0: a segment starts from the ones before it; 1 (the gradient sweeps): after it; 2 (global): all.
+    HAS_DECAY (the decayed kernels'): what a segment starts from decays over it by ``exp(decays)`` ([slots, H],
+    its log-decay) before its own sum adds: ``acc ← e^{b} acc + part``."""
     i_sh, i_w = tl.program_id(0), tl.program_id(1)
     span = spans + (i_sh // H) * 3
     doc, first, end = tl.load(span), tl.load(span + 1), tl.load(span + 2)
@@ -427,9 +429,12 @@ def _combine_kernel(parts, edge, starts, totals, spans, H, WIDTH, HAS_EDGE: tl.c
         acc += tl.load(edge + at_doc, mask=mask, other=0.0)
     count = end - first
     for i in range(count):
-        at = ((first + (count - 1 - i if ORDER == 1 else i)).to(tl.int64) * H + head) * WIDTH + cols
+        row = (first + (count - 1 - i if ORDER == 1 else i)).to(tl.int64) * H + head
+        at = row * WIDTH + cols
         if ORDER != 2:
             tl.store(starts + at, acc, mask=mask)
+        if HAS_DECAY:
+            acc *= tl.exp(tl.load(decays + row))
         acc += tl.load(parts + at, mask=mask, other=0.0)
     if HAS_TOTAL:
         tl.store(totals + at_doc, acc, mask=mask)
@@ -632,12 +637,12 @@ class _Launch:
 COMBINE_ORDERS = {"forward": 0, "reverse": 1, "whole": 2}
 
 
-def _combine(g: _Launch, parts, edge, totals, order):
+def _combine(g: _Launch, parts, edge, totals, order, decays=None):
     """Each segment's starting state (by slot), from every segment's own sum (``parts``, fields [slots, H, ...],
     None where unused) and the state at its document's edge (``edge``, [N, H, ...]; None: zero); the cut documents'
     totals go into their rows of ``totals`` (None: not wanted). ``order``: "forward", a segment starts from the
     ones before it; "reverse" (the gradient sweeps), from the ones after it; "whole" (global attention), from all
-    of them. One small launch per field."""
+    of them. ``decays`` ([slots, H]): each segment's log-decay (the decayed kernels'). One small launch per field."""
     starts = []
     for i, part in enumerate(parts):
         if part is None:
@@ -648,7 +653,8 @@ def _combine(g: _Launch, parts, edge, totals, order):
         base, total = (None if t is None else t[i] for t in (edge, totals))
         block = min(1024, max(16, triton.next_power_of_2(width)))
         _combine_kernel[(g.cut * g.H, triton.cdiv(width, block))](
-            part, part if base is None else base, start, part if total is None else total, g.spans, g.H, width,
+            part, part if decays is None else decays, part if base is None else base, start,
+            part if total is None else total, g.spans, g.H, width, HAS_DECAY=decays is not None,
             HAS_EDGE=base is not None, HAS_TOTAL=total is not None, ORDER=COMBINE_ORDERS[order], BLOCK=block)
         starts.append(start)
     return tuple(starts)
