@@ -41,7 +41,7 @@ def signature(fn, dtype, constexprs, in_dtype):
             types[name] = "constexpr"
         elif name in ("T", "H", "WIDTH"):
             types[name] = "i32"
-        elif name == "block_stride":
+        elif name in ("block_stride", "later_stride", "documents_heads"):
             types[name] = "i64"
         elif name == "eps":
             types[name] = "fp32"
@@ -124,11 +124,11 @@ def linear_kernels(a, block, chunk):
     dv = dict(split_v, FOR_DK=False, HAS_DU=a.normalize == "subtractive", **sweep)
     if a.op == "decayed":
         source = decayed_kernels
-        forward = dict(split_v, HAS_INITIAL=False, HAS_STARTS=a.segments, STORE_O=True, OUT=0,
-                       SEGMENTED=a.segments)  # (its forward alone is segmented)
-        dq = dict(split_k, HAS_INITIAL=False, HAS_FINAL_GRAD=False)
-        dk = dict(split_k, FOR_DK=True, HAS_FINAL_GRAD=False, STORE_DS=False)
-        dv = dict(split_v, FOR_DK=False, HAS_FINAL_GRAD=False, STORE_DS=False)
+        segmented = dict(HAS_STARTS=a.segments, SEGMENTED=a.segments)
+        forward = dict(split_v, HAS_INITIAL=False, STORE_O=True, OUT=0, **segmented)
+        dq = dict(split_k, HAS_INITIAL=False, HAS_FINAL_GRAD=False, **segmented)
+        dk = dict(split_k, FOR_DK=True, SUMS=False, HAS_FINAL_GRAD=False, OUT=0, **segmented)
+        dv = dict(split_v, FOR_DK=False, SUMS=False, HAS_FINAL_GRAD=False, OUT=0, **segmented)
     else:
         source = kernels
     return (("forward", source._forward_kernel, forward), ("dq", source._backward_dq_kernel, dq),
@@ -187,7 +187,7 @@ def main():
     p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
     p.add_argument("--segments", action="store_true",
                    help="the kernels as segmented launches compile them (each program reads its segment from "
-                        "the table; the decayed op's forward only)")
+                        "the table)")
     p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
                    help="linear attention's kernels, decayed linear attention's or the gated delta rule's "
                         "(--normalize applies to linear only; the delta rule's kernels take fp32, TF32 products)")
