@@ -353,24 +353,29 @@ PACKED_ROWS = {"20 documents, one of 8k": [1293] * 2 + [8192] + [1293] * 16 + [1
                "30k among 100 of 20": [20] * 50 + [30000] + [20] * 50}
 
 
-def packed_op(cu_seqlens, H, D, normalize):
-    """setup() -> (fn_fwd, fn_fwdbwd) on one packed row (B=1), the same inputs at every call."""
+def packed_op(cu_seqlens, H, D, op):
+    """setup() -> (fn_fwd, fn_fwdbwd) on one packed row (B=1), the same inputs at every call: linear attention
+    (divisive) or the decayed op (a log-decay per token, its gradient too)."""
     T = int(cu_seqlens[-1])
 
     def setup():
         gen = torch.Generator(device=DEV).manual_seed(0)
         q, k = (torch.rand(1, T, H, D, device=DEV, generator=gen).bfloat16().requires_grad_() for _ in range(2))
         v, do = (torch.randn(1, T, H, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
-        v.requires_grad_()
-        f = lambda: linear_attention(q, k, v, normalize=normalize, cu_seqlens=cu_seqlens, impl="triton")
-        return f, lambda: torch.autograd.grad(f(), (q, k, v), do)
+        g = (-0.1 * torch.rand(1, T, H, device=DEV, generator=gen)).requires_grad_()
+        leaves = (q, k, v.requires_grad_()) + ((g,) if op == "decayed" else ())
+        if op == "decayed":
+            f = lambda: decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, impl="triton")
+        else:
+            f = lambda: linear_attention(q, k, v, normalize="divisive", cu_seqlens=cu_seqlens, impl="triton")
+        return f, lambda: torch.autograd.grad(f(), leaves, do)
     return setup
 
 
-def packed_segments(results, H=16, D=128, rows=PACKED_ROWS, normalize="divisive"):
-    """Packed rows whole (SEGMENT_CHUNKS=0) and as the rule cuts them (the table: only the long documents cut):
-    forward and forward+backward, and the largest differences of o, dq, dk, dv between the two (bf16: summation
-    order only)."""
+def packed_segments(results, H=16, D=128, rows=PACKED_ROWS, ops=("linear", "decayed")):
+    """Packed rows whole (SEGMENT_CHUNKS=0) and as the rule cuts them (the table: only the long documents cut), for
+    linear attention (divisive) and the decayed op: forward and forward+backward, and the largest differences of o
+    and the gradients (q, k, v; and g) between the two (bf16: summation order only)."""
     out = results.setdefault("segments_packed", [])
     default = kernels.SEGMENT_CHUNKS
     try:
@@ -385,25 +390,26 @@ def packed_segments(results, H=16, D=128, rows=PACKED_ROWS, normalize="divisive"
             log(f"segments packed ({name}) H={H} T={T}: the rule runs {chosen.rows} rows (documents or segments × "
                 f"heads; whole: {len(lengths) * H}), {cut} of {len(lengths)} documents cut into "
                 f"{chosen.slots if cut else 0} segments")
-            setup = packed_op(cu, H, D, normalize)
-            outs = {}
-            for forced in (0, None):
-                kernels.SEGMENT_CHUNKS = forced
-                r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
-                error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
-                out.append(dict(row=name, H=H, T=T, D=D, normalize=normalize, segment_chunks=forced,
-                                rows=len(lengths) * H if forced == 0 else chosen.rows, fwd=r["fwd"].get("ms"),
-                                fwdbwd=r["fwd+bwd"].get("ms"), error=error))
-                log(f"segments packed ({name}) {'whole' if forced == 0 else 'the rule'}: fwd {r['fwd'].get('ms')} "
-                    f"ms, fwd+bwd {r['fwd+bwd'].get('ms')} ms {error or ''}")
-                fwd, fwdbwd = setup()
-                outs[forced] = (fwd(), *fwdbwd())
-            diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(outs[None], outs[0])]
-            scales = [b.float().abs().max().item() for b in outs[0]]
-            out.append(dict(row=name, H=H, T=T, D=D, max_differences=diffs, max_values=scales))
-            log(f"segments packed ({name}): the rule against whole, max |difference| of o dq dk dv: "
-                + " ".join(f"{d:.1e} (of {m:.1e})" for d, m in zip(diffs, scales)))
-            del outs
+            for op in ops:
+                setup = packed_op(cu, H, D, op)
+                outs = {}
+                for forced in (0, None):
+                    kernels.SEGMENT_CHUNKS = forced
+                    r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
+                    error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
+                    out.append(dict(row=name, op=op, H=H, T=T, D=D, segment_chunks=forced,
+                                    rows=len(lengths) * H if forced == 0 else chosen.rows, fwd=r["fwd"].get("ms"),
+                                    fwdbwd=r["fwd+bwd"].get("ms"), error=error))
+                    log(f"segments packed ({name}) {op} {'whole' if forced == 0 else 'the rule'}: fwd "
+                        f"{r['fwd'].get('ms')} ms, fwd+bwd {r['fwd+bwd'].get('ms')} ms {error or ''}")
+                    fwd, fwdbwd = setup()
+                    outs[forced] = (fwd(), *fwdbwd())
+                diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(outs[None], outs[0])]
+                scales = [b.float().abs().max().item() for b in outs[0]]
+                out.append(dict(row=name, op=op, H=H, T=T, D=D, max_differences=diffs, max_values=scales))
+                log(f"segments packed ({name}) {op}: the rule against whole, max |difference| of o and the gradients: "
+                    + " ".join(f"{d:.1e} (of {m:.1e})" for d, m in zip(diffs, scales)))
+                del outs
     finally:
         kernels.SEGMENT_CHUNKS = default
 
@@ -451,7 +457,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="launch settings of our kernels at T=8k")
     p.add_argument("--sweep-delta", action="store_true", help="launch settings of the gated delta rule's at T=8k")
     p.add_argument("--segments", action="store_true",
-                   help="segmented kernels against whole ones at T=32k, and packed rows (B=1, H=16) whole and cut")
+                   help="segmented kernels against whole ones at T=32k, and packed rows (B=1, H=16) whole and cut "
+                        "(linear and decayed)")
     p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
     p.add_argument("--only", default="", help="comma-separated op names to bench")
     p.add_argument("--profile", default="", help="comma-separated op names: each fwd+bwd's kernels by time")
