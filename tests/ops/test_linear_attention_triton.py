@@ -241,7 +241,7 @@ def test_gradients_when_a_loss_reaches_only_o_or_only_the_final_state():
 RULED_DOCUMENTS = [0, 150, 151, 221, 238, 278, 279]
 
 
-@pytest.mark.parametrize("normalize,causal", [("none", True), ("subtractive", True), ("divisive", False)])
+@pytest.mark.parametrize("normalize,causal", [("subtractive", True), ("divisive", False)])
 def test_segments_the_rule_chooses_match_naive_fp32(normalize, causal, monkeypatch):
     """Packed documents of very different lengths, segmented by the rule itself (its GPU shrunk to 4 SMs so that a
     toy row is worth cutting): the long ones cut, the short ones whole, all in one launch; states in and out, every

@@ -227,7 +227,7 @@ def _forward_kernel(
 
     if OUT > 0:
         _store_state(s_out, S, *state_rows, DK * DV, state_offs, state_mask, OUT)
-        _store_state(z_out, z, *state_rows, DK, ck, mk & (ck * 0 + i_v == 0), OUT)
+        _store_state(z_out, z, *state_rows, DK, ck, mk & (ck * 0 + i_v == 0), OUT)  # z, n: by value block 0
         _store_state(n_out, n, *state_rows, 1, 0, i_v == 0, OUT)
         _store_state(u_out, u, *state_rows, DV, cv, mv, OUT)
 
