@@ -81,9 +81,10 @@ stage profile_linear_mb16 150 profile linear_mb16 configs/lm/linear_1b.yaml trai
     train.micro_batch_size=16
 
 # 4. Launch settings. Segmented linear-attention kernels at 32k, few sequences x heads (B=1, H=16) against whole
-#    ones, and the rule's other side (B=8, H=32 forced into segments; notes_triton.md "Segments"); the linear and
-#    decayed kernels' sweep; the delta rule's (value block, warps, stages of its scans)
-stage segments 90 python3 tools/bench_triton_gpu.py --segments --out "$RES/gpu_segments.json"
+#    ones, the rule's other side (B=8, H=32 forced into segments), and packed rows (B=1, H=16: 20 documents with one
+#    of 8k; a 30k document among 100 of 20 tokens) whole and cut by the table, linear and decayed (notes_triton.md
+#    "Segments"); the linear and decayed kernels' sweep; the delta rule's (value block, warps, stages of its scans)
+stage segments 150 python3 tools/bench_triton_gpu.py --segments --out "$RES/gpu_segments.json"
 stage sweep 150 python3 tools/bench_triton_gpu.py --sweep --out "$RES/gpu_sweep.json"
 stage sweep_delta 150 python3 tools/bench_triton_gpu.py --sweep-delta --out "$RES/gpu_sweep_delta.json"
 

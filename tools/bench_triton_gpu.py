@@ -6,6 +6,7 @@ Run on a CUDA machine from the repository root, e.g.
 Prints a short table last; writes every number to --out (JSON). Needs only torch and triton (fla-core optional).
 """
 import argparse
+import itertools
 import json
 import platform
 import signal
@@ -216,6 +217,12 @@ PYTORCH_FORM_LONGEST_T = {"linear_chunk": 16384, "decay_chunk": 4096, "gated_del
 
 
 def measure(setup, fwd_only):
+    if DEV == "cpu":  # a dry run under the interpreter: one timed call, no memory figures
+        fn = setup()[0 if fwd_only else 1]
+        fn()
+        start = time.perf_counter()
+        fn()
+        return dict(ms=(time.perf_counter() - start) * 1e3)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     try:
@@ -307,23 +314,26 @@ def timed_settings(rows, op, config, settings, chunks, B, T, H, D):
         config.update(default)
 
 
-def segments(results, T=32768, D=128):
+def segments(results, T=32768, D=128, shapes=((1, 16, 0), (8, 32, 32))):
     """Segmented kernels (issue 45) at long T: B=1, H=16 (32 programs per kernel: the rule cuts 16 segments of 32
     chunks) by the rule and kept whole; B=8, H=32 (512 programs: left whole) by the rule and forced into segments of
     32 chunks. Forward and forward+backward, and how far the segmented results are from the whole ones."""
     rows = results.setdefault("segments", [])
     default = kernels.SEGMENT_CHUNKS
     try:
-        for B, H, other in ((1, 16, 0), (8, 32, 32)):
+        for B, H, other in shapes:
+            kernels.SEGMENT_CHUNKS = None  # the rule's choice (not the last shape's forced one)
             shape = torch.empty(1, device=DEV).expand(B, T, H, D)  # the geometry reads only shape and device
             chosen = kernels._Launch(shape, shape, None, 64)
-            log(f"segments B={B} H={H} T={T}: the rule cuts {chosen.segments} of {chosen.segment_len} tokens")
+            chosen.segment(True)
+            log(f"segments B={B} H={H} T={T}: the rule runs {chosen.rows} rows (sequences or segments × heads), "
+                f"{chosen.slots if chosen.pairs is not None else 0} segments")
             outs = {}
             for forced in (None, other):
                 kernels.SEGMENT_CHUNKS = forced
                 setup = make_ops(B, T, H, D)["linear_triton"]
                 r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
-                rows.append(dict(B=B, H=H, T=T, D=D, segment_chunks=forced, rule_segments=chosen.segments,
+                rows.append(dict(B=B, H=H, T=T, D=D, segment_chunks=forced, rule_rows=chosen.rows,
                                  fwd=r["fwd"].get("ms"), fwdbwd=r["fwd+bwd"].get("ms"),
                                  error=r["fwd"].get("error") or r["fwd+bwd"].get("error")))
                 log(f"segments B={B} H={H} SEGMENT_CHUNKS={forced}: fwd {r['fwd'].get('ms')} ms, "
@@ -338,6 +348,73 @@ def segments(results, T=32768, D=128):
             log(f"segments B={B} H={H}: SEGMENT_CHUNKS={other} against the rule, o dq dk dv: "
                 + " ".join(f"{e:.1e}" for e in errs))
             del outs
+    finally:
+        kernels.SEGMENT_CHUNKS = default
+
+
+# B=1 rows of packed documents (benchmarks/notes_triton.md, "Segments"): the usual pretraining row, 20 documents of
+# which one is 8k; and one 30k document among 100 of 20 tokens
+PACKED_ROWS = {"20 documents, one of 8k": [1293] * 2 + [8192] + [1293] * 16 + [1302],
+               "30k among 100 of 20": [20] * 50 + [30000] + [20] * 50}
+
+
+def packed_op(cu_seqlens, H, D, op):
+    """setup() -> (fn_fwd, fn_fwdbwd) on one packed row (B=1), the same inputs at every call: linear attention
+    (divisive) or the decayed op (a log-decay per token, its gradient too)."""
+    T = int(cu_seqlens[-1])
+
+    def setup():
+        gen = torch.Generator(device=DEV).manual_seed(0)
+        q, k = (torch.rand(1, T, H, D, device=DEV, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+        v, do = (torch.randn(1, T, H, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
+        g = (-0.1 * torch.rand(1, T, H, device=DEV, generator=gen)).requires_grad_()
+        leaves = (q, k, v.requires_grad_()) + ((g,) if op == "decayed" else ())
+        if op == "decayed":
+            f = lambda: decayed_linear_attention(q, k, v, g, cu_seqlens=cu_seqlens, impl="triton")
+        else:
+            f = lambda: linear_attention(q, k, v, normalize="divisive", cu_seqlens=cu_seqlens, impl="triton")
+        return f, lambda: torch.autograd.grad(f(), leaves, do)
+    return setup
+
+
+def packed_segments(results, H=16, D=128, rows=PACKED_ROWS, ops=("linear", "decayed")):
+    """Packed rows whole (SEGMENT_CHUNKS=0) and as the rule cuts them (the table: only the long documents cut), for
+    linear attention (divisive) and the decayed op: forward and forward+backward, and the largest differences of o
+    and the gradients (q, k, v; and g) between the two (bf16: summation order only)."""
+    out = results.setdefault("segments_packed", [])
+    default = kernels.SEGMENT_CHUNKS
+    try:
+        for name, lengths in rows.items():
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], device=DEV, dtype=torch.int32)
+            T = sum(lengths)
+            kernels.SEGMENT_CHUNKS = None
+            shape = torch.empty(1, device=DEV).expand(1, T, H, D)
+            chosen = kernels._Launch(shape, shape, cu, 64)
+            chosen.segment(True)
+            cut = 0 if chosen.pairs is None else chosen.cut
+            log(f"segments packed ({name}) H={H} T={T}: the rule runs {chosen.rows} rows (documents or segments × "
+                f"heads; whole: {len(lengths) * H}), {cut} of {len(lengths)} documents cut into "
+                f"{chosen.slots if cut else 0} segments")
+            for op in ops:
+                setup = packed_op(cu, H, D, op)
+                outs = {}
+                for forced in (0, None):
+                    kernels.SEGMENT_CHUNKS = forced
+                    r = {p: measure(setup, p == "fwd") for p in ("fwd", "fwd+bwd")}
+                    error = r["fwd"].get("error") or r["fwd+bwd"].get("error")
+                    out.append(dict(row=name, op=op, H=H, T=T, D=D, segment_chunks=forced,
+                                    rows=len(lengths) * H if forced == 0 else chosen.rows, fwd=r["fwd"].get("ms"),
+                                    fwdbwd=r["fwd+bwd"].get("ms"), error=error))
+                    log(f"segments packed ({name}) {op} {'whole' if forced == 0 else 'the rule'}: fwd "
+                        f"{r['fwd'].get('ms')} ms, fwd+bwd {r['fwd+bwd'].get('ms')} ms {error or ''}")
+                    fwd, fwdbwd = setup()
+                    outs[forced] = (fwd(), *fwdbwd())
+                diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(outs[None], outs[0])]
+                scales = [b.float().abs().max().item() for b in outs[0]]
+                out.append(dict(row=name, op=op, H=H, T=T, D=D, max_differences=diffs, max_values=scales))
+                log(f"segments packed ({name}) {op}: the rule against whole, max |difference| of o and the gradients: "
+                    + " ".join(f"{d:.1e} (of {m:.1e})" for d, m in zip(diffs, scales)))
+                del outs
     finally:
         kernels.SEGMENT_CHUNKS = default
 
@@ -384,7 +461,9 @@ def main():
     p.add_argument("--ceilings", action="store_true", help="copy bandwidth and bf16 matmul rate")
     p.add_argument("--sweep", action="store_true", help="launch settings of our kernels at T=8k")
     p.add_argument("--sweep-delta", action="store_true", help="launch settings of the gated delta rule's at T=8k")
-    p.add_argument("--segments", action="store_true", help="segmented kernels against whole ones at T=32k")
+    p.add_argument("--segments", action="store_true",
+                   help="segmented kernels against whole ones at T=32k, and packed rows (B=1, H=16) whole and cut "
+                        "(linear and decayed)")
     p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
     p.add_argument("--only", default="", help="comma-separated op names to bench")
     p.add_argument("--profile", default="", help="comma-separated op names: each fwd+bwd's kernels by time")
@@ -420,7 +499,13 @@ def main():
         if a.sweep_delta:
             sweep_delta(results)
         if a.segments:
-            segments(results)
+            if DEV == "cpu":  # a dry run under the interpreter: toy sizes, short segments allowed so that the rule cuts
+                kernels.DEFAULT_MULTIPROCESSORS, kernels.MIN_SEGMENT_CHUNKS = 16, 2
+                segments(results, T=256, D=16, shapes=((1, 2, 0), (2, 2, 1)))
+                packed_segments(results, H=2, D=16, rows={"toy": [10, 10, 300, 10, 1]})
+            else:
+                segments(results)
+                packed_segments(results)
         if a.profile:
             B, H, D = (int(x) for x in a.profile_shape.split(","))
             kernel_profile(results, a.profile.split(","), a.profile_t, B, H, D)
@@ -433,7 +518,7 @@ def main():
 
 def table(results):
     log("\n== summary ==")
-    for row in results.get("segments", []):
+    for row in results.get("segments", []) + results.get("segments_packed", []):
         log(f"segments {row}")
     for row in results.get("sweep", {}).get("rows", []):
         settings = " ".join(f"{k}={v}" for k, v in row.items() if k not in ("op", "chunk", "fwd", "fwd+bwd", "error"))

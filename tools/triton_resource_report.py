@@ -41,13 +41,13 @@ def signature(fn, dtype, constexprs, in_dtype):
     for name in fn.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
-        elif name in ("T", "SEGMENTS", "SEGMENT_LEN"):
+        elif name in ("T", "H", "WIDTH"):
             types[name] = "i32"
-        elif name == "block_stride":
+        elif name in ("block_stride", "later_stride", "documents_heads"):
             types[name] = "i64"
         elif name == "eps":
             types[name] = "fp32"
-        elif name == "cu_seqlens":
+        elif name in ("cu_seqlens", "table", "spans"):
             types[name] = "*i32"
         elif name == "first_chunk":
             types[name] = "*i64"
@@ -112,24 +112,25 @@ def linear_kernels(a, block, chunk):
     scaled = a.normalize != "none"
     full = triton.next_power_of_2(d)
     common = dict(H=a.heads, DK=d, DV=d, BT=chunk, VARLEN=False, PRECISION="tf32")
-    if a.op == "linear" and not a.segments:
-        common["SEGMENTS"] = 1  # Triton specializes an integer argument of 1 into a constant
+    if a.op == "linear":
+        common["SEGMENTED"] = a.segments  # programs read their segment from the table
     split_k = dict(common, BK=min(block, full), BV=full)  # dq, dk: a block of key channels
     split_v = dict(common, BK=full, BV=min(block, full))  # forward, dv: a block of value channels
     forward = dict(split_v, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], INTRA=True, UPDATE=True,
-                   STORE_O=True, HAS_INITIAL=False, STORE_FINAL=False)
+                   STORE_O=True, HAS_INITIAL=False, HAS_STARTS=a.segments, OUT=0)
     flags = dict(HAS_SCALE=scaled, HAS_CENTER=scaled)
-    dq = dict(split_k, INTRA=True, HAS_INITIAL=False, NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], **flags)
-    sweep = dict(INTRA=True, UPDATE=True, STORE=True, HAS_FINAL_GRAD=False, STORE_DS=False, STORE_DU=False,
-                 **flags)
+    dq = dict(split_k, INTRA=True, HAS_INITIAL=False, HAS_STARTS=a.segments,
+              NORMALIZE=kernels.NORMALIZE_CODES[a.normalize], **flags)
+    sweep = dict(INTRA=True, UPDATE=True, STORE=True, HAS_FINAL_GRAD=False, HAS_STARTS=a.segments, OUT=0, **flags)
     dk = dict(split_k, FOR_DK=True, HAS_DU=False, **sweep)
     dv = dict(split_v, FOR_DK=False, HAS_DU=a.normalize == "subtractive", **sweep)
     if a.op == "decayed":
         source = decayed_kernels
-        forward = dict(split_v, HAS_INITIAL=False, STORE_FINAL=False)
-        dq = dict(split_k, HAS_INITIAL=False, HAS_FINAL_GRAD=False)
-        dk = dict(split_k, FOR_DK=True, HAS_FINAL_GRAD=False, STORE_DS=False)
-        dv = dict(split_v, FOR_DK=False, HAS_FINAL_GRAD=False, STORE_DS=False)
+        segmented = dict(HAS_STARTS=a.segments, SEGMENTED=a.segments)
+        forward = dict(split_v, HAS_INITIAL=False, STORE_O=True, OUT=0, **segmented)
+        dq = dict(split_k, HAS_INITIAL=False, HAS_FINAL_GRAD=False, **segmented)
+        dk = dict(split_k, FOR_DK=True, SUMS=False, HAS_FINAL_GRAD=False, OUT=0, **segmented)
+        dv = dict(split_v, FOR_DK=False, SUMS=False, HAS_FINAL_GRAD=False, OUT=0, **segmented)
     else:
         source = kernels
     return (("forward", source._forward_kernel, forward), ("dq", source._backward_dq_kernel, dq),
@@ -216,7 +217,8 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--arch", type=int, default=90, help="compute capability ×10 (90: H100/H200)")
     p.add_argument("--segments", action="store_true",
-                   help="linear: the kernels as segmented launches compile them (SEGMENTS an argument, not 1)")
+                   help="the kernels as segmented launches compile them (each program reads its segment from "
+                        "the table)")
     p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
                    help="linear attention's kernels, decayed linear attention's, the gated delta rule's or KDA's "
                         "(--normalize applies to linear only; the delta rule's and KDA's kernels take fp32, TF32 "

@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 from pretrain.attention import build_mixer
 from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.first_use import forget_verdicts
+from pretrain.ops.linear_attention import triton as kernels
 from pretrain.ops.linear_attention.state import FIELDS, LinearAttentionState
 
 dla = importlib.import_module("pretrain.ops.decayed_linear_attention")  # the module: pretrain.ops re-exports its entry
@@ -126,6 +127,49 @@ def test_gradients_through_the_final_state_alone():
     assert unused is None and not dq.any()
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# Forced segments of 2 chunks: 70 tokens in segments of 32, 32, 6; the other documents (one token, 24, 32, 5) whole
+SEGMENTED_DOCUMENTS = [0, 1, 71, 72, 96, 128, 133]
+
+
+@pytest.mark.parametrize("normalize,log_decay", [("divisive", None), ("none", -20.0)])
+def test_segmented_forward_matches_chunk_fp32(normalize, log_decay, monkeypatch):
+    """A long document cut into segments whose states combine with their decays (a sums pass of each segment's own
+    state and log-decay, a running ``e^{b} S + part``, the main pass; backward the same in reverse, dg's later sums
+    added per segment), the short ones whole in the same launch; the initial and final states, every gradient; at
+    g ≈ −20 too."""
+    monkeypatch.setattr(kernels, "SEGMENT_CHUNKS", 2)
+    cu = torch.tensor(SEGMENTED_DOCUMENTS, device=DEVICE)
+    tensors = make_inputs(1, SEGMENTED_DOCUMENTS[-1], 2, 12, 20, log_decay=log_decay, seed=7)
+    compare(tensors, make_state(cu.numel() - 1, 2, 12, 20, normalize), normalize=normalize, cu_seqlens=cu)
+
+
+def test_segmented_gradients_of_o_alone(monkeypatch):
+    """Segments without the final state's gradient (dS_T None: each cut document's running sum starts from zero, no
+    final-state terms in dg): dq, dk, dv, dg within 1e-5 of the chunked form's in fp64."""
+    monkeypatch.setattr(kernels, "SEGMENT_CHUNKS", 2)
+    cu = torch.tensor(SEGMENTED_DOCUMENTS, device=DEVICE)
+    inputs = make_inputs(1, SEGMENTED_DOCUMENTS[-1], 1, 8, 12, seed=10)
+    weight = torch.randn(1, SEGMENTED_DOCUMENTS[-1], 1, 12, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    found = []
+    for impl, dtype in (("triton", torch.float32), ("chunk", torch.float64)):
+        leaves = [x.detach().to(DEVICE, dtype).requires_grad_() for x in inputs]
+        o = decayed_linear_attention(*leaves, cu_seqlens=cu, chunk_size=CHUNK, impl=impl)
+        found.append(dict(zip(["dq", "dk", "dv", "dg"], torch.autograd.grad((o * weight.to(dtype)).sum(), leaves))))
+    assert_matches(*found, 1e-5)
+
+
+def test_segments_the_rule_chooses(monkeypatch):
+    """Cut by the rule itself (its GPU shrunk to 4 SMs, segments of at least 3 chunks, as the undecayed kernels'
+    test): 150 tokens in 4 segments, 70 in 2, the rest whole; rows of equal length too."""
+    monkeypatch.setattr(kernels, "DEFAULT_MULTIPROCESSORS", 4)
+    monkeypatch.setattr(kernels, "MIN_SEGMENT_CHUNKS", 3)
+    documents = [0, 150, 151, 221, 238, 278, 279]
+    cu = torch.tensor(documents, device=DEVICE)
+    compare(make_inputs(1, documents[-1], 1, 12, 20, seed=8), make_state(6, 1, 12, 20, "divisive"),
+            normalize="divisive", cu_seqlens=cu)
+    compare(make_inputs(2, 100, 1, 12, 20, seed=9), make_state(2, 1, 12, 20, "none"))
 
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

@@ -234,20 +234,65 @@ def test_gradients_when_a_loss_reaches_only_o_or_only_the_final_state():
             assert_close(got, want, 1e-5, name)
 
 
-def test_segment_rule(monkeypatch):
-    """Segments only where the GPU would idle: B=8, H=32, D=128 at 32k fills an H200 (512 programs, 2 resident per
-    SM at 4 warps); B=1, H=16 (32 programs) gets 16 segments of 32 chunks (512 programs); short sequences stay
-    whole."""
-    monkeypatch.setitem(kernels.CONFIG, "num_warps", 4)
+# Documents for the rule's own choice at a toy size (chunks of 16): 150 tokens (10 chunks), one token, 70 (5), 17 (2:
+# straddling a chunk), 40 (3), one token; the row's offsets are not multiples of a chunk. With 4 SMs (8 resident
+# programs) and segments of at least 3 chunks the rule cuts the 150 into 4 segments of 48, 48, 48, 6 and the 70 into
+# 48, 22; the others stay whole.
+RULED_DOCUMENTS = [0, 150, 151, 221, 238, 278, 279]
 
-    def launch(batch, heads, length):
-        q = torch.empty(batch, length, heads, 128, device="meta")
-        return kernels._Launch(q, q, None, 64)
-    assert launch(8, 32, 32768).segments == 1
-    few = launch(1, 16, 32768)
-    assert (few.segments, few.segment_len, few.rows) == (16, 32 * 64, 16 * 16)
-    assert launch(1, 16, 512).segments == 1
-    # packed: one document of 30k tokens (469 chunks) and 100 of 20 would idle the GPU, but their empty segments
-    # would fill it (a grid of 100·16·2 programs per segment): left whole
-    assert kernels.segment_chunks(469, 16 * 2 * (469 + 100), 101 * 16 * 2, 132) is None
-    assert kernels.segment_chunks(469, 16 * 2 * (469 + 2), 3 * 16 * 2, 132) == 94  # 3 documents: 5 segments
+
+@pytest.mark.parametrize("normalize,causal", [("subtractive", True), ("divisive", False)])
+def test_segments_the_rule_chooses_match_naive_fp32(normalize, causal, monkeypatch):
+    """Packed documents of very different lengths, segmented by the rule itself (its GPU shrunk to 4 SMs so that a
+    toy row is worth cutting): the long ones cut, the short ones whole, all in one launch; states in and out, every
+    gradient within 1e-5 of fp64 naive."""
+    monkeypatch.setattr(kernels, "DEFAULT_MULTIPROCESSORS", 4)
+    monkeypatch.setattr(kernels, "MIN_SEGMENT_CHUNKS", 3)
+    q = torch.empty(1, RULED_DOCUMENTS[-1], 1, 12, device="meta")
+    g = kernels._Launch(q, torch.empty(1, RULED_DOCUMENTS[-1], 1, 20, device="meta"),
+                        torch.tensor(RULED_DOCUMENTS), 16)
+    g.segment(causal)
+    assert g.rows == 10  # 6 segments and 4 whole documents
+    assert g.slots == (6 if causal else 10)  # global: whole documents have a slot too (each token reads its total)
+    seed = 60 + 2 * NORMALIZATIONS.index(normalize) + causal
+    assert_fp32_matches_naive(normalize, causal, seed=seed, documents=RULED_DOCUMENTS, heads=1)
+
+
+def test_segment_rule():
+    """Segments only where the GPU would idle, and then only the long documents (chunks of 64, D = 128: two channel
+    blocks, 2 resident programs per SM on an H200's 132). The cases of benchmarks/notes_triton.md, "Segments"."""
+    assert kernels.CONFIG["num_warps"] == 4  # the rule's residency assumes it
+    def blocks(heads):  # programs per chunk: heads × channel blocks
+        return heads * 2
+    # B=8, H=32 at 32k: 512 programs fill the GPU: whole
+    assert kernels.segment_chunks(512, 8 * 512 * blocks(32), 132) is None
+    # B=1, H=16 at 32k: 32 programs; segments of 32 chunks, 16 of them (512 programs)
+    assert kernels.segment_chunks(512, 512 * blocks(16), 132) == 32
+    table = kernels.segment_table([32768], 64, 32)
+    assert table.pairs == [(0, i * 2048, (i + 1) * 2048, i) for i in range(16)] and table.spans == [(0, 0, 16)]
+    # short sequences stay whole
+    assert kernels.segment_chunks(8, 8 * blocks(16), 132) is None
+    # the packed row: B=1, H=16, 20 documents, the longest 8k (here the third) and 19 of ≈ 1.3k: 527 chunks, a share
+    # of 63.9, a chain of 128; the 8k cut into 4 segments of 32 chunks, the others whole: 23 rows, not 640 padded
+    lengths = [1293, 1293, 8192] + [1293] * 16 + [1302]
+    assert sum(lengths) == 32768
+    chunks = sum(-(-n // 64) for n in lengths)
+    assert kernels.segment_chunks(128, chunks * blocks(16), 132) == 32
+    table = kernels.segment_table(lengths, 64, 32)
+    assert table.slotted == 4 and table.spans == [(2, 0, 4)]
+    assert table.pairs[:4] == [(2, i * 2048, (i + 1) * 2048, i) for i in range(4)]
+    assert table.pairs[4] == (19, 0, 1302, -1)  # then the whole ones, longest first
+    assert sorted(pair[0] for pair in table.pairs[5:]) == [d for d in range(19) if d != 2]
+    # one 30k document among 100 of 20 tokens: 569 chunks, a share of 69, a chain of 469: segments of 35 chunks at
+    # most, evened out to 14 of 34 (the last 27); the 100 short ones whole: 114 rows (3,648 programs)
+    lengths = [20] * 50 + [30000] + [20] * 50
+    assert kernels.segment_chunks(469, (469 + 100) * blocks(16), 132) == 35
+    table = kernels.segment_table(lengths, 64, 35)
+    assert (len(table.pairs), table.slotted, table.spans) == (114, 14, [(50, 0, 14)])
+    assert [(first, stop) for _, first, stop, _ in table.pairs[:14]] == (
+        [(i * 2176, (i + 1) * 2176) for i in range(13)] + [(13 * 2176, 30000)])
+    assert all(pair == (pair[0], 0, 20, -1) for pair in table.pairs[14:])
+    # global attention: every document gets a slot, the whole ones one each
+    table = kernels.segment_table([100, 20], 16, 3, slot_every_document=True)
+    assert table.pairs == [(0, 0, 48, 0), (0, 48, 96, 1), (1, 0, 20, 3), (0, 96, 100, 2)]
+    assert table.spans == [(0, 0, 3), (1, 3, 4)]
