@@ -58,7 +58,8 @@ import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varle
 # 1. Our kernels first: the delta rule's forward and backward were rebuilt on CPU since they last ran on a device
 #    (one autograd Function of kernels per block; no spills by the sm_90 report), and a miscompile there would void
 #    every figure after it; KDA's Triton form (new, interpreter-only so far) and the decayed kernels' segments too.
-#    Then where each op's fwd+bwd spends its time at 16k, and the op table at 4k-32k with the copy ceiling (issue 45: the delta rule <= 1.5x the linear kernel at 16k; linear >= 50 % of the ceiling at 32k)
+#    Then where each op's fwd+bwd spends its time at 16k, and the op table at 4k-32k with the copy ceiling
+#    (issue 45: the delta rule <= 1.5x the linear kernel at 16k; linear >= 50 % of the ceiling at 32k)
 stage kernel_tests 200 $PYTEST --timeout=100 tests/ops/test_delta_rule_triton.py \
     tests/ops/test_linear_attention_triton*.py tests/ops/test_kda_triton.py tests/ops/test_decayed_linear_attention_triton.py
 stage op_profile 90 python3 tools/bench_triton_gpu.py \
