@@ -23,12 +23,13 @@ def assert_close(got, want, tol, what):
     assert err < tol, f"{what}: relative error {err:.2e} ≥ {tol:.0e}"
 
 
-def compare(op, inputs, state, *, dtype, tol, seed, **kwargs):
-    """``op(q, k, v, β, g)`` with ``impl="triton"`` in ``dtype`` against ``impl="chunk"`` in fp64 (``tol``: a number,
-    or a function of the result's name); returns the Triton form's results."""
+def compare(op, inputs, state, *, dtype, tol, seed, names=("q", "k", "v", "β", "g"), **kwargs):
+    """``op(*inputs)`` (named ``names``; by default q, k, v, β, g) with ``impl="triton"`` in ``dtype`` against
+    ``impl="chunk"`` in fp64 (``tol``: a number, or a function of the result's name); returns the Triton form's
+    results."""
     got = run_with_grads(op, inputs, state, dtype, impl="triton", seed=seed, **kwargs)
     want = run_with_grads(op, inputs, state, torch.float64, impl="chunk", seed=seed, **kwargs)
-    names = ["o", "final state", "dq", "dk", "dv", "dβ"] + (["dg"] if inputs[4] is not None else []) + (
+    names = ["o", "final state"] + [f"d{name}" for name, x in zip(names, inputs) if x is not None] + (
         ["d initial state"] if state is not None else [])
     assert len(got) == len(names)
     for name, a, b in zip(names, got, want):
@@ -36,9 +37,9 @@ def compare(op, inputs, state, *, dtype, tol, seed, **kwargs):
     return got
 
 
-def compare_from_random_state(op, inputs, cu, chunk_size, *, seed):
+def compare_from_random_state(op, inputs, cu, chunk_size, *, seed, **kwargs):
     """``compare`` in fp32 within 1e-5, from a random initial state per sequence or per document (``cu``: the
-    document offsets, a list, or None)."""
+    document offsets, a list, or None); ``kwargs``: ``compare``'s ``names``."""
     batch, _, heads, dk = inputs[0].shape
     device = inputs[0].device
     num = batch if cu is None else len(cu) - 1
@@ -46,7 +47,7 @@ def compare_from_random_state(op, inputs, cu, chunk_size, *, seed):
                         generator=torch.Generator().manual_seed(seed)).to(device)
     cu_seqlens = None if cu is None else torch.tensor(cu, device=device)
     compare(op, inputs, state, dtype=torch.float32, tol=1e-5, seed=seed, cu_seqlens=cu_seqlens,
-            chunk_size=chunk_size)
+            chunk_size=chunk_size, **kwargs)
 
 
 def assert_layer_matches_chunk(layer):

@@ -16,7 +16,7 @@ from kernel_checks import assert_close
 
 pytest.importorskip("triton")
 
-from pretrain.ops.dplr import dplr_delta_rule, kda_delta_rule
+from pretrain.ops.dplr import kda_delta_rule
 from pretrain.ops.first_use import forget_verdicts
 
 compare = partial(kernel_checks.compare, kda_delta_rule)
@@ -127,8 +127,6 @@ def test_refuses_what_it_cannot_run(monkeypatch):
     wide = torch.zeros(1, 8, 1, 272, device=DEVICE)
     with pytest.raises(ValueError, match=r"kda_delta_rule\(impl='triton'\) supports head dims up to 256; got k 272"):
         kda_delta_rule(wide, wide, v.float(), beta.float(), wide, impl="triton")
-    with pytest.raises(ValueError, match="dplr_delta_rule has no Triton form for a general transition"):
-        dplr_delta_rule(q, k, v, -k, k, g, impl="triton")
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="needs CUDA tensors"):

@@ -25,8 +25,9 @@ from .recurrent import dplr_recurrent
 
 try:  # Triton is optional (the gpu extra); without it impl="auto" takes the chunked form
     from .triton import MAX_HEAD_DIM, kda_triton
+    from .triton_general import dplr_triton
 except ImportError:
-    kda_triton = None
+    kda_triton = dplr_triton = None
 
 IMPLS = ("auto", "naive", "chunk", "recurrent", "triton")
 
@@ -48,16 +49,18 @@ def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     Triton form of an arbitrary a, b yet).
     """
     _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl)
-    if impl == "triton":
-        raise ValueError("dplr_delta_rule has no Triton form for a general transition (arbitrary a, b); "
-                         "impl='triton' is kda_delta_rule's (KDA's case). Use impl='chunk'")
     if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
         return dplr_delta_rule_op(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                   output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
     _check_state(q, v, cu_seqlens, initial_state)
     if g is None:
         g = q.new_zeros(q.shape)
-    run = {"auto": dplr_chunk, "naive": dplr_naive, "chunk": dplr_chunk, "recurrent": dplr_recurrent}[impl]
+    if impl == "triton":
+        if dplr_triton is None:
+            raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
+        run = dplr_triton
+    else:
+        run = {"auto": dplr_chunk, "naive": dplr_naive, "chunk": dplr_chunk, "recurrent": dplr_recurrent}[impl]
     return run(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                output_final_state=output_final_state, chunk_size=chunk_size)
 
