@@ -1,6 +1,8 @@
 """What the delta-rule family's Triton tests share: a relative-error check, a Triton form against the chunked form
 in fp64 (outputs, final states and the gradients of every input and of the initial state), and a mixer run on
 either."""
+import warnings
+
 import torch
 
 
@@ -63,3 +65,20 @@ def assert_layer_matches_chunk(layer):
         results.append([y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])])
     for name, got, want in zip(["y", "dx", *(n for n, _ in layer.named_parameters())], *results):
         assert_close(got, want, 1e-5, name)
+
+
+def assert_auto_takes_ours_after_its_check(monkeypatch, module, name, op, inputs):
+    """On CUDA (stood in for by the interpreter) ``op``'s ``auto`` runs our kernels (``module.<name>``) once they
+    matched ``chunk``: the check's call, then the request's (chunks of 16); on CPU ``auto`` is ``chunk``."""
+    calls = []
+    ours = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *args, **kwargs: calls.append(1) or ours(*args, **kwargs))
+    if not inputs[0].is_cuda:
+        op(*inputs, chunk_size=16)
+        assert not calls
+    monkeypatch.setattr(module, "_triton_may_run", lambda q, v: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = op(*inputs, chunk_size=16)
+    assert len(calls) == 1 + 1
+    assert_close(got, op(*inputs, chunk_size=16, impl="chunk"), 1e-5, "o")

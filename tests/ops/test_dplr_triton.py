@@ -5,6 +5,7 @@ awkward shapes and per-channel gate regimes (docs/MIXERS.md#dplr).
 Without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``);
 shapes stay small because the interpreter is slow.
 """
+import importlib
 from functools import partial
 
 import kernel_checks
@@ -16,6 +17,7 @@ pytest.importorskip("triton")
 
 from pretrain.ops.dplr import dplr_delta_rule
 
+dplr_module = importlib.import_module("pretrain.ops.dplr")  # the package (ops/ exports the function by its name)
 NAMES = ("q", "k", "v", "a", "b", "g")
 compare = partial(kernel_checks.compare, dplr_delta_rule, names=NAMES)
 
@@ -104,3 +106,12 @@ def test_refuses_what_it_cannot_run():
     wide = torch.zeros(1, 8, 1, 272, device=DEVICE)
     with pytest.raises(ValueError, match=r"dplr_delta_rule\(impl='triton'\) supports head dims up to 256; got k 272"):
         dplr_delta_rule(wide, wide, v.float(), wide, wide, wide, impl="triton")
+
+
+def test_auto_takes_ours_after_its_first_use_check(monkeypatch, fresh_verdicts):
+    """On CUDA (stood in for by the interpreter) ``auto`` runs our kernels once they matched ``chunk``: the check's
+    call, then every request's; on CPU ``auto`` is ``chunk``. (One head: the check runs as many as the request, up
+    to two; the way a failed check keeps to ``chunk`` is KDA's and the delta rule's to test.)"""
+    inputs = [x.float() for x in make_inputs(1, 20, 1, 16, 16, (-1.0, 0.0), "rwkv7", seed=16)]
+    kernel_checks.assert_auto_takes_ours_after_its_check(monkeypatch, dplr_module, "dplr_triton", dplr_delta_rule,
+                                                         inputs)

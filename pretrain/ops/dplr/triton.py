@@ -32,9 +32,10 @@ Kernels, every block of chunks one autograd Function (``_Block``, run by the del
   D's, ``D_C − D``'s (a suffix sum of the later gates, as in the delta rule) and ``D_C``'s by cumulative sums over
   the chunk.
 
-Chunks start at each document's first token and padded tokens write nothing (the delta rule's layout). Only KDA's
-case: ``dplr_delta_rule``'s general transition (arbitrary a, b) has no Triton form. Under ``TRITON_INTERPRET=1`` the
-kernels run on CPU; the tests hold them to ``kda_chunk``.
+Chunks start at each document's first token and padded tokens write nothing (the delta rule's layout). The general
+transition (arbitrary a, b: ``triton_general.py``) runs on these kernels but the products (its own, four per chunk)
+and adds two state-independent terms to the scan (``ADDS``). Under ``TRITON_INTERPRET=1`` the kernels run on CPU;
+the tests hold them to ``kda_chunk``.
 """
 import torch
 import torch.nn.functional as F
