@@ -164,8 +164,17 @@ def kda_rule_kernels(a, chunk, scan=None, per_chunk=None, products=None):
     if products:
         sub_chunks.update(num_warps=products[0], num_stages=products[1])
     general = a.op == "dplr"
-    source = dplr_kernels if general else kda_kernels
-    return (("products", source._products_kernel, sub_chunks),
+    if general:  # one launch per row operand: q's, then b's a row down
+        products_forward = [(f"products {x}", dplr_kernels._products_kernel, dict(sub_chunks, SHIFT=shift))
+                            for shift, x in enumerate("qb")]
+        rows = sub_chunks if products else dict(sub_chunks, **dplr_kernels.ROWS_BACKWARD_CONFIG)
+        products_backward = [(f"rows bwd {x}", dplr_kernels._rows_backward_kernel, dict(rows, SHIFT=shift))
+                             for shift, x in enumerate("qb")]
+        products_backward.append(("columns bwd", dplr_kernels._columns_backward_kernel, sub_chunks))
+    else:
+        products_forward = [("products", kda_kernels._products_kernel, sub_chunks)]
+        products_backward = [("products bwd", kda_kernels._products_backward_kernel, sub_chunks)]
+    return (*products_forward,
             ("ut fwd", kda_kernels._ut_forward_kernel, whole),
             ("scan+output", kda_kernels._scan_kernel, dict(scans, OUTPUT=True, ADDS=general)),
             ("scan fwd", kda_kernels._scan_kernel, dict(scans, OUTPUT=False, ADDS=general)),
@@ -173,7 +182,7 @@ def kda_rule_kernels(a, chunk, scan=None, per_chunk=None, products=None):
             ("scan bwd", kda_kernels._scan_backward_kernel, scans),
             ("state grads", kda_kernels._state_grads_kernel, per_tile),
             ("ut bwd", kda_kernels._ut_backward_kernel, ut_backward),
-            ("products bwd", source._products_backward_kernel, sub_chunks))
+            *products_backward)
 
 
 def geometries(a, chunk, module, scan, per_chunk):
@@ -215,7 +224,8 @@ def main():
                    help="delta_rule, kda, dplr: the UT backward's channel block, and warps, stages of every kernel "
                         "with one program per chunk and head (default: its UT_CONFIG)")
     p.add_argument("--products-configs", nargs="+",
-                   help="kda, dplr: warps, stages of the products' kernels (default: KDA's PRODUCTS_CONFIG)")
+                   help="kda, dplr: warps, stages of the products' kernels (default: KDA's PRODUCTS_CONFIG; dplr's "
+                        "rows' gradient: its ROWS_BACKWARD_CONFIG)")
     p.add_argument("--chunks", nargs="+", type=int, default=[64])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=32)
