@@ -23,7 +23,7 @@ from pretrain.cli_help import HelpFormatter
 from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.delta_rule import delta_rule
 from pretrain.ops.delta_rule import triton as delta_kernels
-from pretrain.ops.dplr import kda_delta_rule
+from pretrain.ops.dplr import dplr_delta_rule, kda_delta_rule
 from pretrain.ops.dplr import triton as kda_kernels
 from pretrain.ops.linear_attention import linear_attention
 from pretrain.ops.linear_attention import triton as kernels
@@ -177,22 +177,25 @@ def make_ops(B, T, H, D, chunk=64):
         return setup
 
     def gated(op, impl):
-        """Decayed linear attention (per-token log-decay), the gated delta rule or KDA (a log-decay per key
-        channel), ours (`chunk`, PyTorch; `triton`, our kernels) or fla's kernels through our adapter (`fla`): the
-        mixers of the decay and delta-rule issues."""
+        """Decayed linear attention (per-token log-decay), the gated delta rule, KDA (a log-decay per key channel)
+        or the general diagonal-plus-low-rank rule (RWKV-7's transition: a = −η ⊙ κ̂, b = κ̂, η per channel), ours
+        (`chunk`, PyTorch; `triton`, our kernels) or fla's kernels through our adapter (`fla`): the mixers of the
+        decay and delta-rule issues."""
         def setup():
             q, k = (torch.rand(B, T, H, D, device=DEV, dtype=torch.bfloat16) for _ in range(2))
             if op != "decay":
                 k = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
             q, k = q.requires_grad_(), k.requires_grad_()
             v = torch.randn(B, T, H, D, device=DEV, dtype=torch.bfloat16).requires_grad_()
-            g = (-torch.rand(B, T, H, *[D] * (op == "kda"), device=DEV) * 0.1).requires_grad_()
-            beta = torch.rand(B, T, H, device=DEV, dtype=torch.bfloat16).requires_grad_()
+            g = (-torch.rand(B, T, H, *[D] * (op in ("kda", "dplr")), device=DEV) * 0.1).requires_grad_()
+            beta = torch.rand(B, T, H, *[D] * (op == "dplr"), device=DEV, dtype=torch.bfloat16).requires_grad_()
             do = torch.randn_like(v)
             if op == "decay":
                 f = lambda: decayed_linear_attention(q, k, v, g, impl=impl, chunk_size=chunk)
             elif op == "kda":
                 f = lambda: kda_delta_rule(q, k, v, beta, g, impl=impl, chunk_size=chunk)
+            elif op == "dplr":
+                f = lambda: dplr_delta_rule(q, k, v, -beta * k, k, g, impl=impl, chunk_size=chunk)
             else:
                 f = lambda: delta_rule(q, k, v, beta, g, impl=impl, chunk_size=chunk)
             leaves = (q, k, v, g) if op == "decay" else (q, k, v, g, beta)
@@ -209,11 +212,13 @@ def make_ops(B, T, H, D, chunk=64):
     ops["decay_chunk"], ops["gated_delta_chunk"] = gated("decay", "chunk"), gated("delta", "chunk")
     ops["gated_delta_triton"] = gated("delta", "triton")  # issue 45's goal: ≤ 1.5× linear_triton at 16k
     ops["kda_chunk"], ops["kda_triton"] = gated("kda", "chunk"), gated("kda", "triton")  # beside gated_delta_triton
+    ops["dplr_chunk"], ops["dplr_triton"] = gated("dplr", "chunk"), gated("dplr", "triton")  # RWKV-7's, beside KDA's
     return ops
 
 
 # The PyTorch chunked forms are the slow reference points: past these lengths they cost minutes.
-PYTORCH_FORM_LONGEST_T = {"linear_chunk": 16384, "decay_chunk": 4096, "gated_delta_chunk": 4096, "kda_chunk": 4096}
+PYTORCH_FORM_LONGEST_T = {"linear_chunk": 16384, "decay_chunk": 4096, "gated_delta_chunk": 4096, "kda_chunk": 4096,
+                          "dplr_chunk": 4096}
 
 
 def measure(setup, fwd_only):

@@ -1,10 +1,12 @@
 """Compile the linear-attention kernels (or the decayed op's: ``--op decayed``; the gated delta rule's: ``--op
-delta_rule``; KDA's: ``--op kda``) for a GPU that is not here, and print what the compiler gives each one.
+delta_rule``; KDA's: ``--op kda``; the general diagonal-plus-low-rank rule's: ``--op dplr``) for a GPU that is not
+here, and print what the compiler gives each one.
 
     python tools/triton_resource_report.py --configs 64,8,2 128,8,2 --chunks 64 128
     python tools/triton_resource_report.py --op delta_rule   # at the module's CONFIG and UT_CONFIG
     python tools/triton_resource_report.py --op delta_rule --configs 16,4,1 --ut-configs 32,4,1
     python tools/triton_resource_report.py --op kda --products-configs 4,1 8,1   # and its PRODUCTS_CONFIG
+    python tools/triton_resource_report.py --op dplr   # KDA's kernels with ADDS, and its own products' kernels
 
 For sm_90 (H100/H200) by default: registers per thread, stack bytes (spills), local loads/stores and HGMMA
 (wgmma) instructions in the SASS, shared memory, and how many blocks an SM holds at once by them, per (channel
@@ -30,6 +32,7 @@ from pretrain.cli_help import HelpFormatter
 from pretrain.ops.decayed_linear_attention import triton as decayed_kernels
 from pretrain.ops.delta_rule import triton as delta_kernels
 from pretrain.ops.dplr import triton as kda_kernels
+from pretrain.ops.dplr import triton_general as dplr_kernels
 from pretrain.ops.linear_attention import triton as kernels
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -62,7 +65,7 @@ def signature(fn, dtype, constexprs, in_dtype):
 # (the delta rule's kernels take fp32 chunk tensors only)
 IN_DTYPE = {"linear": ("q", "k", "v", "o", "g", "dq", "dk", "dv"),
             "decayed": ("q", "k", "v", "o", "do", "dq", "dk", "dv"),
-            "delta_rule": (), "kda": ()}
+            "delta_rule": (), "kda": (), "dplr": ()}
 
 
 # An SM's limits by compute capability ×10 (CUDA's programming guide, "compute capabilities"): shared memory per
@@ -154,20 +157,32 @@ def delta_rule_kernels(a, chunk, scan=None, per_chunk=None):
 
 def kda_rule_kernels(a, chunk, scan=None, per_chunk=None, products=None):
     """The same for KDA's Triton form (its own ``CONFIG`` and ``UT_CONFIG``), and its products' kernels (one program
-    per sub-chunk) at ``PRODUCTS_CONFIG`` or ``products`` (warps, stages)."""
+    per sub-chunk) at ``PRODUCTS_CONFIG`` or ``products`` (warps, stages); with ``--op dplr`` the general rule's:
+    KDA's kernels with the scan's ``ADDS``, and its own products' kernels."""
     scans, per_tile, whole, ut_backward = geometries(a, chunk, kda_kernels, scan, per_chunk)
     sub_chunks = kda_kernels._products_geometry(chunk, a.head_dim, "tf32")
     if products:
         sub_chunks.update(num_warps=products[0], num_stages=products[1])
-    return (("products", kda_kernels._products_kernel, sub_chunks),
+    general = a.op == "dplr"
+    if general:  # one launch per row operand: q's, then b's a row down
+        products_forward = [(f"products {x}", dplr_kernels._products_kernel, dict(sub_chunks, SHIFT=shift))
+                            for shift, x in enumerate("qb")]
+        rows = sub_chunks if products else dict(sub_chunks, **dplr_kernels.ROWS_BACKWARD_CONFIG)
+        products_backward = [(f"rows bwd {x}", dplr_kernels._rows_backward_kernel, dict(rows, SHIFT=shift))
+                             for shift, x in enumerate("qb")]
+        products_backward.append(("columns bwd", dplr_kernels._columns_backward_kernel, sub_chunks))
+    else:
+        products_forward = [("products", kda_kernels._products_kernel, sub_chunks)]
+        products_backward = [("products bwd", kda_kernels._products_backward_kernel, sub_chunks)]
+    return (*products_forward,
             ("ut fwd", kda_kernels._ut_forward_kernel, whole),
-            ("scan+output", kda_kernels._scan_kernel, dict(scans, OUTPUT=True)),
-            ("scan fwd", kda_kernels._scan_kernel, dict(scans, OUTPUT=False)),
+            ("scan+output", kda_kernels._scan_kernel, dict(scans, OUTPUT=True, ADDS=general)),
+            ("scan fwd", kda_kernels._scan_kernel, dict(scans, OUTPUT=False, ADDS=general)),
             ("output adj", kda_kernels._output_backward_kernel, per_tile),
             ("scan bwd", kda_kernels._scan_backward_kernel, scans),
             ("state grads", kda_kernels._state_grads_kernel, per_tile),
             ("ut bwd", kda_kernels._ut_backward_kernel, ut_backward),
-            ("products bwd", kda_kernels._products_backward_kernel, sub_chunks))
+            *products_backward)
 
 
 def geometries(a, chunk, module, scan, per_chunk):
@@ -206,10 +221,11 @@ def main():
                         "channels, also of its output adjoint and state gradients), warps, stages (default: 64,8,2 "
                         "128,8,2 64,4,2 32,8,2; the delta rule: its CONFIG)")
     p.add_argument("--ut-configs", nargs="+",
-                   help="delta_rule, kda: the UT backward's channel block, and warps, stages of every kernel with one "
-                        "program per chunk and head (default: its UT_CONFIG)")
+                   help="delta_rule, kda, dplr: the UT backward's channel block, and warps, stages of every kernel "
+                        "with one program per chunk and head (default: its UT_CONFIG)")
     p.add_argument("--products-configs", nargs="+",
-                   help="kda: warps, stages of the products' kernels (default: its PRODUCTS_CONFIG)")
+                   help="kda, dplr: warps, stages of the products' kernels (default: KDA's PRODUCTS_CONFIG; dplr's "
+                        "rows' gradient: its ROWS_BACKWARD_CONFIG)")
     p.add_argument("--chunks", nargs="+", type=int, default=[64])
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--heads", type=int, default=32)
@@ -220,20 +236,20 @@ def main():
                    help="the kernels as segmented launches compile them (each program reads its segment from "
                         "the table)")
     p.add_argument("--op", default="linear", choices=sorted(IN_DTYPE),
-                   help="linear attention's kernels, decayed linear attention's, the gated delta rule's or KDA's "
-                        "(--normalize applies to linear only; the delta rule's and KDA's kernels take fp32, TF32 "
-                        "products)")
+                   help="linear attention's kernels, decayed linear attention's, the gated delta rule's, KDA's or "
+                        "the general diagonal-plus-low-rank rule's (--normalize applies to linear only; the delta "
+                        "rule's, KDA's and DPLR's kernels take fp32, TF32 products)")
     a = p.parse_args()
     for chunk in a.chunks:
-        if a.op in ("delta_rule", "kda"):
+        if a.op in ("delta_rule", "kda", "dplr"):
             for scan in [settings(c, 3) for c in a.configs] if a.configs else [None]:
                 for per_chunk in [settings(c, 3) for c in a.ut_configs] if a.ut_configs else [None]:
                     for products in [settings(c, 2) for c in a.products_configs or []] or [None]:
                         print(f"chunk={chunk} ({a.op}, TF32, sm_{a.arch}, Dk=Dv={a.head_dim}; scans at "
                               f"{scan or 'CONFIG'}, per chunk at {per_chunk or 'UT_CONFIG'}"
-                              + (f", products at {products or 'PRODUCTS_CONFIG'})" if a.op == "kda" else ")"),
+                              + (f", products at {products or 'PRODUCTS_CONFIG'})" if a.op != "delta_rule" else ")"),
                               flush=True)
-                        show(a, kda_rule_kernels(a, chunk, scan, per_chunk, products) if a.op == "kda"
+                        show(a, kda_rule_kernels(a, chunk, scan, per_chunk, products) if a.op != "delta_rule"
                              else delta_rule_kernels(a, chunk, scan, per_chunk))
             continue
         for cfg in a.configs or ["64,8,2", "128,8,2", "64,4,2", "32,8,2"]:
@@ -253,7 +269,7 @@ def show(a, found):
         warps, stages = constexprs.pop("num_warps"), constexprs.pop("num_stages")
         blocks = "".join(f", {label} {constexprs[key]}" for key, label in (("BV", "value block"),
                                                                            ("BW", "channel block"))
-                         if a.op in ("delta_rule", "kda") and key in constexprs)
+                         if a.op in ("delta_rule", "kda", "dplr") and key in constexprs)
         print(f"  {name:12s} {report(fn, constexprs, warps, stages, a.arch, a.dtype, a.op)}  "
               f"({warps} warps, {stages} stages{blocks})", flush=True)
 

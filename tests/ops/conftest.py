@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from pretrain.ops.first_use import forget_verdicts
+
 
 @pytest.fixture
 def unwritten_outputs_are_nan():
@@ -12,3 +14,11 @@ def unwritten_outputs_are_nan():
         yield
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def fresh_verdicts():
+    """No first-use verdict remembered before or after the test."""
+    forget_verdicts()
+    yield
+    forget_verdicts()

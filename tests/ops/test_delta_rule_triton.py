@@ -17,7 +17,6 @@ from kernel_checks import assert_close
 pytest.importorskip("triton")
 
 from pretrain.ops.delta_rule import delta_rule
-from pretrain.ops.first_use import forget_verdicts
 
 compare = partial(kernel_checks.compare, delta_rule)
 
@@ -185,13 +184,6 @@ def test_refuses_what_it_cannot_run(monkeypatch):
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             delta_rule(q.float(), k.float(), v.float(), beta, g, impl="triton")
-
-
-@pytest.fixture
-def fresh_verdicts():
-    forget_verdicts()
-    yield
-    forget_verdicts()
 
 
 def test_auto_takes_ours_after_its_first_use_check(monkeypatch, fresh_verdicts):

@@ -5,7 +5,6 @@ Without a GPU the kernels run under Triton's CPU interpreter (``TRITON_INTERPRET
 shapes stay small because the interpreter is slow.
 """
 import importlib
-import warnings
 from functools import partial
 
 import kernel_checks
@@ -16,8 +15,7 @@ from kernel_checks import assert_close
 
 pytest.importorskip("triton")
 
-from pretrain.ops.dplr import dplr_delta_rule, kda_delta_rule
-from pretrain.ops.first_use import forget_verdicts
+from pretrain.ops.dplr import kda_delta_rule
 
 compare = partial(kernel_checks.compare, kda_delta_rule)
 
@@ -127,38 +125,19 @@ def test_refuses_what_it_cannot_run(monkeypatch):
     wide = torch.zeros(1, 8, 1, 272, device=DEVICE)
     with pytest.raises(ValueError, match=r"kda_delta_rule\(impl='triton'\) supports head dims up to 256; got k 272"):
         kda_delta_rule(wide, wide, v.float(), beta.float(), wide, impl="triton")
-    with pytest.raises(ValueError, match="dplr_delta_rule has no Triton form for a general transition"):
-        dplr_delta_rule(q, k, v, -k, k, g, impl="triton")
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             kda_delta_rule(*(x.float() for x in (q, k, v, beta, g)), impl="triton")
 
 
-@pytest.fixture
-def fresh_verdicts():
-    forget_verdicts()
-    yield
-    forget_verdicts()
-
-
 def test_auto_takes_ours_after_its_first_use_check(monkeypatch, fresh_verdicts):
     """On CUDA (stood in for by the interpreter) ``auto`` runs our kernels once they matched ``chunk``: the check's
     call, then every request's; on CPU ``auto`` is ``chunk``. (One head: the check runs as many as the request, up
     to two.)"""
-    q, k, v, beta, g = (x.float() for x in make_inputs(1, 20, 1, 16, 16, (-1.0, 0.0), seed=16))
-    calls = []
-    ours = dplr_module.kda_triton
-    monkeypatch.setattr(dplr_module, "kda_triton", lambda *a, **kw: calls.append(1) or ours(*a, **kw))
-    if DEVICE == "cpu":
-        kda_delta_rule(q, k, v, beta, g, chunk_size=16)
-        assert not calls
-    monkeypatch.setattr(dplr_module, "_triton_may_run", lambda q, v: True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        got = kda_delta_rule(q, k, v, beta, g, chunk_size=16)
-    assert len(calls) == 1 + 1
-    assert_close(got, kda_delta_rule(q, k, v, beta, g, chunk_size=16, impl="chunk"), 1e-5, "o")
+    inputs = [x.float() for x in make_inputs(1, 20, 1, 16, 16, (-1.0, 0.0), seed=16)]
+    kernel_checks.assert_auto_takes_ours_after_its_check(monkeypatch, dplr_module, "kda_triton", kda_delta_rule,
+                                                         inputs)
 
 
 def test_auto_keeps_to_chunk_when_ours_fails_its_check(monkeypatch, fresh_verdicts):

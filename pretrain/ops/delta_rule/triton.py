@@ -621,15 +621,17 @@ def _layout(batch: int, length: int, cu_seqlens: torch.Tensor | None, size: int,
     return _layouts.get(cu_seqlens, build, batch, length, size, str(device))
 
 
-def _block(lo, hi, q, k, v, beta, g, entering, initial, *, plan: dict, precision: str, function):
-    """Chunks ``lo … hi-1`` (their padded rows of ``q, k, v [·, H, *]``, ``beta [·, H]``, ``g [·, H, *]``) from
-    ``entering`` (the state of the document running into chunk lo, if one does) through ``function`` (an autograd
-    Function as ``_Block``) → their ``o`` rows (input dtype), the state of the document running past chunk hi-1 (if
-    one does) and the final states of the documents ending in them."""
+def _block(lo, hi, *rows_and_states, plan: dict, precision: str, function):
+    """Chunks ``lo … hi-1`` (their padded rows of the op's token inputs, ``q, k, v [·, H, *]``, then e.g.
+    ``beta [·, H]``, ``g [·, H, *]``) from ``entering`` (the state of the document running into chunk lo, if one
+    does; then the initial states, last) through ``function`` (an autograd Function as ``_Block``) → their ``o``
+    rows (input dtype), the state of the document running past chunk hi-1 (if one does) and the final states of the
+    documents ending in them."""
+    *tokens, entering, initial = rows_and_states
     d_lo, d_hi, first_chunk, runs_in, runs_on = plan[lo, hi]
     given = entering.new_zeros(d_hi - d_lo, *entering.shape) if initial is None else initial[d_lo:d_hi].float()
     starting = (torch.cat([entering[None], given[1:]]) if runs_in else given).contiguous()
-    rows, leaving = function.apply(q, k, v, beta, g, starting, first_chunk, hi - lo, precision)
+    rows, leaving = function.apply(*tokens, starting, first_chunk, hi - lo, precision)
     return (rows, leaving[-1], leaving[:-1]) if runs_on else (rows, torch.zeros_like(entering), leaving)
 
 
@@ -664,11 +666,10 @@ def delta_rule_triton(q, k, v, beta, g, **options):
     return run_in_blocks(_Block, "delta_rule", q, k, v, beta, g, **options)
 
 
-def run_in_blocks(function, op: str, q, k, v, beta, g, *, cu_seqlens, initial_state, output_final_state,
-                  chunk_size):
-    """A delta-rule Triton form's entry (``op``'s, checked there): the inputs as padded token rows, walked in
-    blocks of chunks, each block one call of the autograd Function ``function`` (``_Block``'s arguments and
-    results)."""
+def run_in_blocks(function, op: str, q, k, v, *rest, cu_seqlens, initial_state, output_final_state, chunk_size):
+    """A delta-rule Triton form's entry (``op``'s, checked there): the token inputs (q, k, v, then ``rest``: e.g.
+    β and g) as padded token rows, walked in blocks of chunks, each block one call of the autograd Function
+    ``function`` (``_Block``'s arguments and results, with ``rest`` in place of β and g)."""
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU); got {q.device}")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -682,7 +683,7 @@ def run_in_blocks(function, op: str, q, k, v, beta, g, *, cu_seqlens, initial_st
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
     layout = _layout(batch, length, cu_seqlens, chunk_size, q.device)  # rows of a batch: documents of one stream
-    tokens = [layout.pad(x.reshape(batch * length, *x.shape[2:])) for x in (q, k, v, beta, g)]
+    tokens = [layout.pad(x.reshape(batch * length, *x.shape[2:])) for x in (q, k, v, *rest)]
     blocks = bounded_blocks(layout.count, heads, chunk_size, max(dk, dv), BLOCK_ELEMENTS)
     plan = dict(zip(blocks, layout.plan(blocks)))
     entering = q.new_zeros(heads, dk, dv, dtype=torch.float32)  # no document runs into the first chunk

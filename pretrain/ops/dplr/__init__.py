@@ -8,9 +8,9 @@ per-channel log-decays masked before ``exp``) and ``recurrent`` (rank-1 updates,
 in. The gated delta rule is the case ``g`` equal over channels, ``a = −β k``, ``b = e^g k``, keys ``β k``.
 
 ``kda_delta_rule`` is Kimi Delta Attention's case, ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k`` from ``k``, β and
-``g``: the same forms, the chunked one computing two products per chunk instead of four, and ``triton`` (the chunked
-form in Triton, CUDA: ``triton.py``), which ``auto`` takes on CUDA once it passed its first-use check. The general
-rule has no Triton form.
+``g``: the same forms, the chunked one computing two products per chunk instead of four. Both have ``triton`` (the
+chunked form in Triton, CUDA: KDA's ``triton.py``, the general rule's ``triton_general.py`` on KDA's kernels), which
+``auto`` takes on CUDA once it passed its first-use check.
 """
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,9 @@ from .recurrent import dplr_recurrent
 
 try:  # Triton is optional (the gpu extra); without it impl="auto" takes the chunked form
     from .triton import MAX_HEAD_DIM, kda_triton
+    from .triton_general import dplr_triton
 except ImportError:
-    kda_triton = None
+    kda_triton = dplr_triton = None
 
 IMPLS = ("auto", "naive", "chunk", "recurrent", "triton")
 
@@ -44,20 +45,21 @@ def dplr_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     cu_seqlens: int offsets of packed documents along T (B = 1); each document starts from its own state.
     initial_state ``[N, H, Dk, Dv]`` (N = batch, or documents): the state before the first token (None: zeros).
     Returns ``o`` in the input dtype, or ``(o, final_state)`` in fp32 (fp64 for fp64 inputs).
-    impl: ``auto`` (= ``chunk``), ``naive``, ``chunk`` or ``recurrent``; ``triton`` is ``kda_delta_rule``'s only (no
-    Triton form of an arbitrary a, b yet).
+    impl: ``auto``, ``naive``, ``chunk``, ``recurrent`` or ``triton`` (CUDA; fp32, bf16, fp16): ``auto`` on CUDA
+    takes ``triton`` once it passed its first-use check, else ``chunk``.
     """
     _check_inputs(q, k, v, a, b, g, cu_seqlens, chunk_size, impl)
-    if impl == "triton":
-        raise ValueError("dplr_delta_rule has no Triton form for a general transition (arbitrary a, b); "
-                         "impl='triton' is kda_delta_rule's (KDA's case). Use impl='chunk'")
     if torch.compiler.is_compiling():  # one opaque op (library.py) whose body comes back here, eagerly
         return dplr_delta_rule_op(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                                   output_final_state=output_final_state, chunk_size=chunk_size, impl=impl)
     _check_state(q, v, cu_seqlens, initial_state)
     if g is None:
         g = q.new_zeros(q.shape)
-    run = {"auto": dplr_chunk, "naive": dplr_naive, "chunk": dplr_chunk, "recurrent": dplr_recurrent}[impl]
+    if impl == "auto":
+        impl = "triton" if _triton_may_run(q, v) and _trusted(dplr_delta_rule, q, v, cu_seqlens, chunk_size) \
+            else "chunk"
+    run = _triton_form(dplr_triton) if impl == "triton" else {
+        "chunk": dplr_chunk, "naive": dplr_naive, "recurrent": dplr_recurrent}[impl]
     return run(q, k, v, a, b, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                output_final_state=output_final_state, chunk_size=chunk_size)
 
@@ -82,45 +84,57 @@ def kda_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     _check_inputs(q, k, v, write, write, g, cu_seqlens, chunk_size, impl)
     _check_state(q, v, cu_seqlens, initial_state)
     if impl == "auto":
-        impl = "triton" if _triton_may_run(q, v) and _trusted(q, v, cu_seqlens, chunk_size) else "chunk"
+        impl = "triton" if _triton_may_run(q, v) and _trusted(kda_delta_rule, q, v, cu_seqlens, chunk_size) \
+            else "chunk"
     if impl == "triton":
-        if kda_triton is None:
-            raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
-        return kda_triton(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
+        return _triton_form(kda_triton)(q, k, v, beta, g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                           output_final_state=output_final_state, chunk_size=chunk_size)
     return kda_chunk(q, k, v, beta.to(k.dtype), g, cu_seqlens=cu_seqlens, initial_state=initial_state,
                      output_final_state=output_final_state, chunk_size=chunk_size)
 
 
+def _triton_form(run):
+    """``run`` (a Triton form), or a clear error where Triton is not installed (``run`` None)."""
+    if run is None:
+        raise ValueError("impl='triton' needs the triton package (pip install -e '.[gpu]')")
+    return run
+
+
 def _triton_may_run(q, v) -> bool:
-    """Whether ``auto`` may consider KDA's Triton form at all: CUDA, a dtype and head widths it takes, Triton there."""
+    """Whether ``auto`` may consider a Triton form at all: CUDA, a dtype and head widths it takes, Triton there."""
     return (q.is_cuda and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and kda_triton is not None
             and max(q.shape[3], v.shape[3]) <= MAX_HEAD_DIM)
 
 
-def _trusted(q, v, cu_seqlens, chunk_size) -> bool:
-    """KDA's Triton form's first-use check (``ops/first_use.py``) for this device, dtype and request class, as the
-    delta rule's: three chunks of two heads of the request's widths, k L2-normalized, gates per channel, an initial
-    state in and the final state out (folded into the compared output), a document boundary inside a chunk when the
-    request packs them."""
+def _trusted(op, q, v, cu_seqlens, chunk_size) -> bool:
+    """The Triton form's first-use check (``ops/first_use.py``) of ``op`` (``kda_delta_rule`` or
+    ``dplr_delta_rule``) for this device, dtype and request class, as the delta rule's: three chunks of two heads of
+    the request's widths, gates per channel, an initial state in and the final state out (folded into the compared
+    output), a document boundary inside a chunk when the request packs them. KDA's: k L2-normalized; the general
+    rule's: RWKV-7's transition, ``a = −η ⊙ κ̂``, ``b = κ̂`` (κ̂ L2-normalized), keys of their own."""
+    general = op is dplr_delta_rule
     heads, dk, dv = min(q.shape[2], 2), q.shape[3], v.shape[3]
     length, packed = 2 * 64 + 5, cu_seqlens is not None
-    key = ("kda_triton", str(q.device), q.dtype, dk, dv, packed, chunk_size)
-    shapes = [(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (2 if packed else 1, heads, dk, dv),
-                                             (1, length, heads), (1, length, heads, dk)]
+    key = ("dplr_triton" if general else "kda_triton", str(q.device), q.dtype, dk, dv, packed, chunk_size)
+    rates = (1, length, heads, dk) if general else (1, length, heads)  # η per channel, or β
+    shapes = [(1, length, heads, dk)] * 2 + [(1, length, heads, dv), (2 if packed else 1, heads, dk, dv), rates,
+                                             (1, length, heads, dk)]
 
     def inputs():
         return sample_inputs(shapes, like=q, positive=(False, False, False, False, True, True))
 
     def run(impl):
-        def call(q, k, v, S, beta, forget):
+        def call(q, k, v, S, rate, forget):
             cu = torch.tensor([0, 37, length], device=q.device) if packed else None
-            o, final = kda_delta_rule(q * dk ** -0.5, F.normalize(k, dim=-1), v, beta, -forget, cu_seqlens=cu,
-                                      initial_state=S, output_final_state=True, chunk_size=chunk_size, impl=impl)
+            kappa = F.normalize(k, dim=-1)
+            transition = (k * dk ** -0.5, v, -rate * kappa, kappa) if general else (kappa, v, rate)
+            o, final = op(q * dk ** -0.5, *transition, -forget, cu_seqlens=cu, initial_state=S,
+                          output_final_state=True, chunk_size=chunk_size, impl=impl)
             return torch.cat([o.flatten(), final.flatten().to(o.dtype)])
         return call
 
-    return first_use_ok(key, run("triton"), run("chunk"), inputs, kernel_name="our Triton KDA form",
+    name = "our Triton DPLR form" if general else "our Triton KDA form"
+    return first_use_ok(key, run("triton"), run("chunk"), inputs, kernel_name=name,
                         reference_name="the chunked form (impl='chunk')")
 
 

@@ -32,9 +32,10 @@ Kernels, every block of chunks one autograd Function (``_Block``, run by the del
   D's, ``D_C − D``'s (a suffix sum of the later gates, as in the delta rule) and ``D_C``'s by cumulative sums over
   the chunk.
 
-Chunks start at each document's first token and padded tokens write nothing (the delta rule's layout). Only KDA's
-case: ``dplr_delta_rule``'s general transition (arbitrary a, b) has no Triton form. Under ``TRITON_INTERPRET=1`` the
-kernels run on CPU; the tests hold them to ``kda_chunk``.
+Chunks start at each document's first token and padded tokens write nothing (the delta rule's layout). The general
+transition (arbitrary a, b: ``triton_general.py``) runs on these kernels but the products (its own, four per chunk)
+and adds two state-independent terms to the scan (``ADDS``). Under ``TRITON_INTERPRET=1`` the kernels run on CPU;
+the tests hold them to ``kda_chunk``.
 """
 import torch
 import torch.nn.functional as F
@@ -276,14 +277,16 @@ def _ut_backward_kernel(
 
 @triton.jit
 def _scan_kernel(
-    w, u, qd, hands, p_qk, decay, initial, out, final, states, delta, first_chunk,
+    w, u, qd, hands, p_qk, decay, initial, out, final, states, delta, first_chunk, base, kv,
     H: tl.constexpr, C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OUTPUT: tl.constexpr, PRECISION: tl.constexpr,
+    BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, OUTPUT: tl.constexpr, ADDS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Over the chunks of one document and head, from its state in ``initial``: Δ = U − W S, then (``OUTPUT``)
     O = (Q ⊙ e^D) S + P^{qk} Δ and the state after the chunks, or (backward's) the state entering each chunk and Δ;
     S ← e^{D_C} ⊙ S + (K ⊙ e^{D_C − D})ᵀ Δ. ``qd``: Q ⊙ e^D; ``hands``: K ⊙ e^{D_C − D}; ``decay``: e^{D_C} per
-    chunk, head and key channel."""
+    chunk, head and key channel. ``ADDS`` (the general rule's, ``triton_general.py``): terms that do not depend on
+    the state, ``base [n, H, C, Dv]`` added to O and ``kv [n, H, Dk, Dv]`` to the chunk's update."""
     i_h, c0, c1, v0, state_at, state_mask, S = _scan_program(first_chunk, initial, H, DK, DV, BK, BV)
     channels = tl.arange(0, BK)
     for c in range(c0, c1):
@@ -299,11 +302,16 @@ def _scan_kernel(
             at_a, mask_a = _tile_offsets(tile, C, C, 0, BC, BC)
             o = _mm(tl.load(p_qk + at_a, mask=mask_a, other=0.0), d,
                     _mm(tl.load(qd + at_k, mask=mask_k, other=0.0), S, None, PRECISION), PRECISION)
+            if ADDS:
+                o += tl.load(base + at_v, mask=mask_v, other=0.0)
             tl.store(out + at_v, o, mask=mask_v)
         else:
             tl.store(delta + at_v, d, mask=mask_v)
         e_last = tl.load(decay + tile * DK + channels, mask=channels < DK, other=0.0)
         S = _mm(tl.trans(tl.load(hands + at_k, mask=mask_k, other=0.0)), d, S * e_last[:, None], PRECISION)
+        if ADDS:
+            at, mask = _tile_offsets(tile, DK, DV, v0, BK, BV)
+            S += tl.load(kv + at, mask=mask, other=0.0)
     if OUTPUT:
         tl.store(final + state_at, S, mask=state_mask)
 
@@ -416,8 +424,7 @@ class _Factors:
 
     def __init__(self, q, k, v, beta, g, chunks, precision):
         self.Q, self.K, self.V, self.B, G = (_chunk_rows(x, chunks) for x in (q, k, v, beta, g))
-        self.D = G.cumsum(2)
-        self.after = F.pad(G.flip(2).cumsum(2).flip(2)[:, :, 1:], (0, 0, 0, 1))
+        self.D, self.after = _log_decays(G)
         self.P_qk, self.P_kk, self.QD, self.KD, self.hands = _products(self.Q, self.K, self.D, self.after, precision)
         n, heads, size, dk = self.K.shape
         self.A, self.W, self.U = self.K.new_empty(n, heads, size, size), torch.empty_like(self.K), torch.empty_like(
@@ -427,9 +434,10 @@ class _Factors:
         self.decay = self.D[:, :, -1].exp().contiguous()  # [n, H, Dk]
 
 
-def _scan(f: _Factors, starting, first_chunk, precision, *, output: bool):
-    """The scan over chunks from ``starting``: (O, the state after each document) with ``output``, else (the state
-    entering each chunk, Δ)."""
+def _scan(f: _Factors, p_delta, starting, first_chunk, precision, *, output: bool, adds=None):
+    """The scan over chunks from ``starting``, ``p_delta`` the product that multiplies Δ in O (``f.P_qk``): (O, the
+    state after each document) with ``output``, else (the state entering each chunk, Δ). ``adds``: None, or the
+    general rule's (base, kv), ``_scan_kernel``'s."""
     n, heads, size, dk = f.W.shape
     dv, docs = f.U.shape[-1], first_chunk.numel() - 1
     if output:
@@ -440,8 +448,8 @@ def _scan(f: _Factors, starting, first_chunk, precision, *, output: bool):
         out = final = delta  # not written
     geometry = _geometry(size, dk, dv, precision, CONFIG)
     _scan_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-        f.W, f.U, f.QD, f.hands, f.P_qk, f.decay, starting, out, final, states, delta, first_chunk, H=heads,
-        OUTPUT=output, **geometry)
+        f.W, f.U, f.QD, f.hands, p_delta, f.decay, starting, out, final, states, delta, first_chunk,
+        *(adds or (out, out)), H=heads, OUTPUT=output, ADDS=adds is not None, **geometry)
     return (out, final) if output else (states, delta)
 
 
@@ -455,7 +463,7 @@ class _Block(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, g, starting, first_chunk, chunks, precision):
         f = _Factors(q, k, v, beta, g, chunks, precision)
-        out, final = _scan(f, starting, first_chunk, precision, output=True)
+        out, final = _scan(f, f.P_qk, starting, first_chunk, precision, output=True)
         _keep_inputs(ctx, (q, k, v, beta, g, starting, first_chunk), chunks, precision)
         return _token_rows(out, q.dtype), final
 
@@ -463,32 +471,55 @@ class _Block(torch.autograd.Function):
     def backward(ctx, d_rows, d_final):
         q, k, v, beta, g, starting, first_chunk, chunks, precision = _kept_inputs(ctx)
         f = _Factors(q, k, v, beta, g, chunks, precision)
-        states, delta = _scan(f, starting, first_chunk, precision, output=False)
-        dO = torch.zeros_like(f.U) if d_rows is None else _chunk_rows(d_rows, chunks)
+        _, dP_qk, dQD, d_starting, _, d_delta, dW, d_hands, d_last = _through_scan(
+            f, f.P_qk, starting, first_chunk, d_rows, d_final, chunks, precision)
         n, heads, size, dk = f.K.shape
-        dv, docs = f.V.shape[-1], first_chunk.numel() - 1
-        d_states, d_delta_out, dP_qk, dQD = (torch.empty_like(x) for x in (states, delta, f.P_qk, f.QD))
-        _output_backward_kernel[(n * heads,)](f.QD, f.P_qk, states, delta, dO, d_states, d_delta_out, dP_qk, dQD,
-                                              **_per_chunk_geometry(size, dk, dv, precision, CONFIG, UT_CONFIG))
-        grad_after, d_delta = torch.empty_like(d_states), torch.empty_like(d_delta_out)
-        d_starting = d_states.new_empty(docs, heads, dk, dv)
-        geometry = _geometry(size, dk, dv, precision, CONFIG)
-        _scan_backward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
-            f.W, f.hands, f.decay, d_states, d_delta_out,
-            torch.zeros_like(d_starting) if d_final is None else d_final.contiguous(), grad_after, d_delta,
-            d_starting, first_chunk, H=heads, **geometry)
-        dW, d_hands, d_last = torch.empty_like(f.W), torch.empty_like(f.hands), torch.empty_like(f.decay)
-        _state_grads_kernel[(n * heads,)](f.decay, states, grad_after, delta, d_delta, dW, d_hands, d_last,
-                                          **_per_chunk_geometry(size, dk, dv, precision, CONFIG, UT_CONFIG))
         dP_kk, dKD, dV, dB = (torch.empty_like(x) for x in (f.P_kk, f.KD, f.V, f.B))
         _ut_backward_kernel[(n * heads,)](f.P_kk, f.B, f.KD, f.V, f.A, dW, d_delta, dP_kk, dKD, dV, dB,
-                                          **_ut_backward_geometry(size, dk, dv, precision, UT_CONFIG))
+                                          **_ut_backward_geometry(size, dk, f.V.shape[-1], precision, UT_CONFIG))
         dQ, dK, dD, d_after = _products_backward(f, dP_qk, dP_kk, dQD, dKD, d_hands, precision)
-        # D_C − D is a sum of the later gates (the last token's: none, a constant 0); D_C the sum of every gate
-        d_after = F.pad(d_after[:, :, :-1], (0, 0, 1, 0)).cumsum(2)
-        dG = dD.flip(2).cumsum(2).flip(2) + d_after + d_last[:, :, None]
-        grads = (_token_rows(x, t.dtype) for x, t in zip((dQ, dK, dV, dB, dG), (q, k, v, beta, g)))
+        grads = (_token_rows(x, t.dtype) for x, t in zip((dQ, dK, dV, dB, _gate_grad(dD, d_after, d_last)),
+                                                        (q, k, v, beta, g)))
         return *grads, d_starting, None, None, None
+
+
+def _through_scan(f, p_delta, starting, first_chunk, d_rows, d_final, chunks, precision, adds=None):
+    """Backward's way through the scan, from the recomputed factors (``p_delta``, ``adds``: ``_scan``'s): the scan
+    again (each chunk's entering state and Δ), the output stage's adjoint, the reverse scan and what each chunk gets
+    through the state → (dO, dP of ``p_delta``, d(Q ⊙ e^D), the starting states' gradient, G (the gradient of the
+    state leaving each chunk), dΔ, dW, d hands, and e^{D_C}'s share of the chunk's summed gate's gradient), chunk
+    tensors. dO: zeros when o got no gradient."""
+    states, delta = _scan(f, p_delta, starting, first_chunk, precision, output=False, adds=adds)
+    dO = torch.zeros_like(f.U) if d_rows is None else _chunk_rows(d_rows, chunks)
+    n, heads, size, dk = f.W.shape
+    dv, docs = f.U.shape[-1], first_chunk.numel() - 1
+    d_states, d_delta_out, dP, dQD = (torch.empty_like(x) for x in (states, delta, p_delta, f.QD))
+    _output_backward_kernel[(n * heads,)](f.QD, p_delta, states, delta, dO, d_states, d_delta_out, dP, dQD,
+                                          **_per_chunk_geometry(size, dk, dv, precision, CONFIG, UT_CONFIG))
+    grad_after, d_delta = torch.empty_like(d_states), torch.empty_like(d_delta_out)
+    d_starting = d_states.new_empty(docs, heads, dk, dv)
+    geometry = _geometry(size, dk, dv, precision, CONFIG)
+    _scan_backward_kernel[(docs * heads, triton.cdiv(dv, geometry["BV"]))](
+        f.W, f.hands, f.decay, d_states, d_delta_out,
+        torch.zeros_like(d_starting) if d_final is None else d_final.contiguous(), grad_after, d_delta,
+        d_starting, first_chunk, H=heads, **geometry)
+    dW, d_hands, d_last = torch.empty_like(f.W), torch.empty_like(f.hands), torch.empty_like(f.decay)
+    _state_grads_kernel[(n * heads,)](f.decay, states, grad_after, delta, d_delta, dW, d_hands, d_last,
+                                      **_per_chunk_geometry(size, dk, dv, precision, CONFIG, UT_CONFIG))
+    return dO, dP, dQD, d_starting, grad_after, d_delta, dW, d_hands, d_last
+
+
+def _log_decays(G):
+    """D (the gates summed from the chunk's start) and D_C − D as a sum of the later gates, of chunk gates
+    ``[n, H, C, Dk]``."""
+    return G.cumsum(2), F.pad(G.flip(2).cumsum(2).flip(2)[:, :, 1:], (0, 0, 0, 1))
+
+
+def _gate_grad(dD, d_after, d_last):
+    """g's gradient from those of D, of D_C − D and of D_C (``d_last [n, H, Dk]``)."""
+    # D_C − D is a sum of the later gates (the last token's: none, a constant 0); D_C the sum of every gate
+    d_after = F.pad(d_after[:, :, :-1], (0, 0, 1, 0)).cumsum(2)
+    return dD.flip(2).cumsum(2).flip(2) + d_after + d_last[:, :, None]
 
 
 def kda_triton(q, k, v, beta, g, **options):
