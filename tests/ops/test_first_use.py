@@ -10,18 +10,10 @@ import warnings
 import pytest
 import torch
 
-from pretrain.ops.first_use import forget_verdicts
-
 # the modules, not the functions of the same name that pretrain.ops re-exports over them
 la = importlib.import_module("pretrain.ops.linear_attention")
 sm = importlib.import_module("pretrain.ops.softmax")
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts():
-    forget_verdicts()
-    yield
-    forget_verdicts()
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")  # tests/ops/conftest.py: no verdict carried between tests
 
 
 class Counted:

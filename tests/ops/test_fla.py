@@ -23,9 +23,9 @@ from pretrain.ops.decayed_linear_attention import decayed_linear_attention
 from pretrain.ops.decayed_linear_attention.naive import decayed_linear_attention_naive
 from pretrain.ops.delta_rule import delta_rule
 from pretrain.ops.delta_rule.naive import delta_rule_naive
-from pretrain.ops.first_use import forget_verdicts
 from pretrain.ops.linear_attention.state import LinearAttentionState
 
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")  # tests/ops/conftest.py: no verdict carried between tests
 TOL = {"rtol": 1e-10, "atol": 1e-10}
 CHUNK = 8
 DOCUMENTS = [0, 1, 2, 5, 13, 16, 29, 44, 45]  # one-token documents, documents inside and across chunks
@@ -107,13 +107,6 @@ def install(monkeypatch, stand_in):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(flash_linear, "on_cuda", lambda x: True)
     return stand_in
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts():
-    forget_verdicts()
-    yield
-    forget_verdicts()
 
 
 def leaves(*tensors):
