@@ -65,12 +65,12 @@ import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varle
 #    copy ceiling (issue 45: the delta rule <= 1.5x the linear kernel at 16k; linear >= 50 % of the ceiling at 32k)
 stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_delta_rule_triton.py tests/ops/test_linear_attention_triton*.py
 stage op_profile 90 python3 tools/bench_triton_gpu.py \
-    --profile gated_delta_triton,kda_triton,decay_triton,linear_triton --out "$RES/gpu_op_profile.json"
+    --profile gated_delta_triton,kda_triton,dplr_triton,decay_triton,linear_triton --out "$RES/gpu_op_profile.json"
 stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \
-    --only linear_triton,decay_triton,gated_delta_triton,kda_triton,sdpa_flash --out "$RES/gpu_bench_ops.json"
-# KDA's kernels and the decayed kernels' segments (both new, interpreter-only so far) after the table: a
-# miscompile there voids their rows of it, not the others'
-stage kernel_tests_new 120 $PYTEST --timeout=100 tests/ops/test_kda_triton.py \
+    --only linear_triton,decay_triton,gated_delta_triton,kda_triton,dplr_triton,sdpa_flash --out "$RES/gpu_bench_ops.json"
+# The DPLR kernels (KDA's and the general rule's) and the decayed kernels' segments, all new and interpreter-only so
+# far, after the table: a miscompile there voids their rows of it, not the others'
+stage kernel_tests_new 150 $PYTEST --timeout=100 tests/ops/test_kda_triton.py tests/ops/test_dplr_triton.py \
     tests/ops/test_decayed_linear_attention_triton.py
 
 # 2. The compiled step, now that it compiles once per kind of block and grad mode: 4k, then 16k against softmax
