@@ -103,7 +103,7 @@ def test_a_correct_kernel_is_taken_after_its_check(monkeypatch):
         warnings.simplefilter("error")
         la.linear_attention(q, k, v, impl="auto")
         la.linear_attention(q, k, v, impl="auto")
-    assert kernel.calls == 1 + 2  # checked once, then used for both requests
+    assert kernel.calls == 2 + 2  # checked whole and cut into segments, then used for both requests
 
 
 def test_a_correct_kernel_is_taken_when_first_asked_inside_a_custom_op(monkeypatch):
@@ -116,7 +116,7 @@ def test_a_correct_kernel_is_taken_when_first_asked_inside_a_custom_op(monkeypat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         linear_attention_op(*(x.requires_grad_() for x in features()), impl="auto")
-    assert kernel.calls == 1 + 1
+    assert kernel.calls == 2 + 1
 
 
 def test_each_request_class_is_checked_once(monkeypatch):
@@ -126,7 +126,29 @@ def test_each_request_class_is_checked_once(monkeypatch):
     la.linear_attention(q, k, v, normalize="divisive", impl="auto")
     la.linear_attention(q, k, v, normalize="none", impl="auto")
     la.linear_attention(q, k, v, normalize="none", impl="auto")
-    assert kernel.calls == 2 * 1 + 3  # two classes checked, three requests run
+    assert kernel.calls == 2 * 2 + 3  # two classes checked (whole and cut), three requests run
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_a_kernel_wrong_only_on_cut_documents_is_caught(monkeypatch, packed):
+    """The check runs the kernel a second time with its documents cut into one-chunk segments (the rule never cuts
+    inputs this small): a kernel right when whole and wrong when cut fails, and the warning says which."""
+    kernels = importlib.import_module("pretrain.ops.linear_attention.triton")
+    cut_calls = []
+
+    def wrong_when_cut(q, k, v, **kwargs):
+        cut_calls.append(kernels.SEGMENT_CHUNKS)
+        return scaled_output(q, k, v, **kwargs) if kernels.SEGMENT_CHUNKS else chunk_form(q, k, v, **kwargs)
+
+    use_kernel(monkeypatch, Counted(wrong_when_cut))
+    q, k, v = features()
+    cu = torch.tensor([0, 40, 41, 150]) if packed else None
+    with pytest.warns(RuntimeWarning, match=r"linear-attention kernel \(documents cut into segments\) failed its "
+                                            r"first-use check .*output off by"):
+        got = la.linear_attention(q, k, v, cu_seqlens=cu, impl="auto")
+    assert cut_calls == [0, 1]  # whole, then cut; the request itself went to the chunked form
+    assert kernels.SEGMENT_CHUNKS is None  # the rule's choice again after the check
+    torch.testing.assert_close(got, la.linear_attention(q, k, v, cu_seqlens=cu, impl="chunk"), rtol=0, atol=0)
 
 
 def test_a_kernel_asked_for_by_name_is_not_checked(monkeypatch):

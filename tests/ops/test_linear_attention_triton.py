@@ -4,6 +4,9 @@ Without a GPU the same kernels run under Triton's CPU interpreter (``TRITON_INTE
 ``tests/conftest.py`` before anything imports Triton); shapes stay small because the interpreter is slow. The
 reference runs in fp64.
 """
+import importlib
+import warnings
+
 import pytest
 import torch
 
@@ -12,6 +15,8 @@ pytest.importorskip("triton")
 from pretrain.ops.linear_attention import LinearAttentionState, linear_attention
 from pretrain.ops.linear_attention import triton as kernels
 from pretrain.ops.linear_attention.state import FIELDS
+
+la = importlib.import_module("pretrain.ops.linear_attention")  # the module, not the function it is named after
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NORMALIZATIONS = ("none", "divisive", "subtractive")
@@ -296,3 +301,27 @@ def test_segment_rule():
     table = kernels.segment_table([100, 20], 16, 3, slot_every_document=True)
     assert table.pairs == [(0, 0, 48, 0), (0, 48, 96, 1), (1, 0, 20, 3), (0, 96, 100, 2)]
     assert table.spans == [(0, 0, 3), (1, 3, 4)]
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="stands in for CUDA on CPU")
+@pytest.mark.usefixtures("fresh_verdicts")
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_the_kernel_passes_its_first_use_check_whole_and_cut(monkeypatch, packed):
+    """``auto``'s check runs the kernel on its small inputs whole and cut into one-chunk segments (a sums pass, a
+    running sum, slotted and whole rows): the real kernel passes both and is taken, silently."""
+    launches = []
+    segment = kernels._Launch.segment
+
+    def recorded(self, causal):
+        segment(self, causal)
+        launches.append(self.pairs is not None)
+    monkeypatch.setattr(kernels._Launch, "segment", recorded)
+    monkeypatch.setattr(la, "_triton_may_run", lambda q: True)
+    q, k, v = (x.detach() for x in make_inputs(1, 40, 2, 8, 8, torch.float32, seed=70))
+    cu = torch.tensor([0, 9, 40]) if packed else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = linear_attention(q, k, v, normalize="divisive", cu_seqlens=cu, impl="auto")
+    assert launches == [False, True, False]  # the check whole, then cut; the request (short) whole
+    torch.testing.assert_close(got, linear_attention(q, k, v, normalize="divisive", cu_seqlens=cu, impl="chunk"),
+                               rtol=1e-5, atol=1e-6)

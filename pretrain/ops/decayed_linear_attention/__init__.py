@@ -20,7 +20,7 @@ import torch
 from ..first_use import first_use_ok, sample_inputs
 from ..flash_linear import fla_may_run
 from ..documents import check_offsets
-from ..linear_attention import check_inputs
+from ..linear_attention import check_inputs, trusted_whole_and_cut
 from ..linear_attention.state import LinearAttentionState, check_state
 from .chunk import decayed_linear_attention_chunk
 from .fla import decayed_linear_attention_fla
@@ -123,8 +123,9 @@ def _trusted(impl, q, v, normalize, cu_seqlens, chunk_size) -> bool:
             return torch.cat([o.flatten(), *(f.flatten().to(o.dtype) for f in final if f is not None)])
         return call
 
-    return first_use_ok(key, run(impl), run("chunk"), inputs, kernel_name=_KERNEL_NAMES[impl],
-                        reference_name="the chunked form (impl='chunk')")
+    check = trusted_whole_and_cut if impl == "triton" else first_use_ok  # ours cuts long documents; fla never
+    return check(key, run(impl), run("chunk"), inputs, kernel_name=_KERNEL_NAMES[impl],
+                 reference_name="the chunked form (impl='chunk')")
 
 
 def _checked_decay(g: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ from .recurrent import linear_attention_recurrent
 from .state import FIELDS, LinearAttentionState, check_state
 
 try:  # Triton is optional (the gpu extra); without it impl="auto" takes the chunked form
-    from .triton import linear_attention_triton
+    from .triton import linear_attention_triton, segments_forced
 except ImportError:
-    linear_attention_triton = None
+    linear_attention_triton = segments_forced = None
 
 NORMALIZATIONS = tuple(FIELDS)
 IMPLS = ("auto", "naive", "chunk", "recurrent", "triton")
@@ -87,8 +87,26 @@ def _triton_trusted(q, v, causal, normalize, cu_seqlens, chunk_size) -> bool:
         return lambda q, k, v: linear_attention(q, k, v, causal=causal, normalize=normalize, cu_seqlens=cu,
                                                 chunk_size=chunk_size, impl=impl)
 
-    return first_use_ok(key, run("triton"), run("chunk"), inputs, kernel_name="the Triton linear-attention kernel",
-                        reference_name="the chunked form (impl='chunk')")
+    return trusted_whole_and_cut(key, run("triton"), run("chunk"), inputs,
+                                 kernel_name="the Triton linear-attention kernel",
+                                 reference_name="the chunked form (impl='chunk')")
+
+
+def trusted_whole_and_cut(key, kernel, reference, inputs, *, kernel_name, reference_name) -> bool:
+    """``first_use_ok`` for a kernel that cuts long documents into segments (``triton.segment_chunks``): once with
+    every document whole, then cut into segments of one chunk (the segmented launches: a sums pass, a running sum,
+    slotted and unslotted rows), which the check's small inputs would otherwise never take. Trusted if both pass;
+    each verdict, and warning, is its own."""
+    def forced(chunks):
+        def call(*args):
+            with segments_forced(chunks):
+                return kernel(*args)
+        return call
+
+    return first_use_ok(key + ("whole",), forced(0), reference, inputs, kernel_name=kernel_name,
+                        reference_name=reference_name) and \
+        first_use_ok(key + ("cut",), forced(1), reference, inputs,
+                     kernel_name=f"{kernel_name} (documents cut into segments)", reference_name=reference_name)
 
 
 def check_inputs(q, k, v, normalize, cu_seqlens, chunk_size, impl):

@@ -34,6 +34,7 @@ documents, so no state crosses into the next.
 
 The same kernels run on CPU under ``TRITON_INTERPRET=1``; the tests hold them to the naive reference there.
 """
+import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -462,6 +463,19 @@ SEGMENT_CHUNKS = None  # chunks per segment: None chooses by `segment_chunks`; 0
 WARPS_PER_SM = 8  # resident at once: at 255 registers a thread (the resource report) 8 warps fill 65,536
 MIN_SEGMENT_CHUNKS = 8  # a segment's state (d × dv fp32, written, summed, read) against its tokens' bytes
 DEFAULT_MULTIPROCESSORS = 132  # an H200's, where no CUDA device says (the interpreter)
+
+
+@contextlib.contextmanager
+def segments_forced(chunks: int | None):
+    """Launches inside run as ``SEGMENT_CHUNKS = chunks`` (0: documents whole; n: cut into segments of n chunks),
+    their backward too (the forward's table travels with it): for the first-use checks, whose small inputs the
+    rule would never cut."""
+    global SEGMENT_CHUNKS
+    saved, SEGMENT_CHUNKS = SEGMENT_CHUNKS, chunks
+    try:
+        yield
+    finally:
+        SEGMENT_CHUNKS = saved
 
 
 def segment_chunks(longest, steps, multiprocessors):
