@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pretrain.attention import REGISTRY
-from pretrain.attention.norm import RMSNorm
+from pretrain.attention.norm import RMSNorm, _RMSNormFunction
 from pretrain.config import ModelConfig
 from pretrain.models import build_lm
 
@@ -194,6 +194,33 @@ def test_rms_norm_keeps_bf16_and_saves_only_input_and_inverse_rms():
     torch.testing.assert_close(out.double(), rms_norm_formula(x.double(), 1.0, 1e-5), atol=1e-2, rtol=1e-2)
     assert [t.shape for t in saved] == [x.shape, norm.weight.shape, (4, 6, 1)]
     assert saved[0] is x and saved[1] is norm.weight
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's fused RMSNorm kernels)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_cuda_runs_torchs_fused_kernels_and_agrees_with_ours(dtype):
+    """On CUDA the norm is ``F.rms_norm`` (torch's fused kernels): the output and both gradients as our autograd
+    function gives them (fp32 inside either way), in a third of the kernels or fewer."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (3 * torch.randn(4, 50, 96, device="cuda", generator=gen)).to(dtype)
+    upstream = torch.randn(x.shape, device="cuda", generator=gen).to(dtype)
+    norm = RMSNorm(96).to("cuda", dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, device="cuda", generator=gen))
+    forms = {"fused": norm, "ours": lambda a: _RMSNormFunction.apply(a, norm.weight, norm.eps)}
+    results, kernels = {}, {}
+    for name, form in forms.items():
+        leaf = x.clone().requires_grad_()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = form(leaf)
+            results[name] = (out, *torch.autograd.grad(out, (leaf, norm.weight), upstream))
+            torch.cuda.synchronize()
+        kernels[name] = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(results["fused"], results["ours"]):
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), **tolerance)
+    assert 0 < 3 * kernels["fused"] <= kernels["ours"], kernels
 
 
 CAUSAL_MIXERS = sorted(name for name, cls in REGISTRY.items() if cls.supports_causal)
