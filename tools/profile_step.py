@@ -142,7 +142,7 @@ def build_report(trainer, args, trace: Path, figures: dict, profiled_s: float) -
 
     cfg, unit = trainer.cfg, trainer.task.unit
     counted = step_time(json.loads(trace.read_text()))
-    per_step = counted.ms_per_step()
+    per_step, kernels = counted.ms_per_step(), counted.kernels_per_step()
     traced_ms = sum(per_step.values())
     labels = {**CATEGORIES, "host": HOST_LABEL[counted.device]}
     return {
@@ -156,6 +156,7 @@ def build_report(trainer, args, trace: Path, figures: dict, profiled_s: float) -
         "profiled_step_ms": profiled_s / args.steps * 1e3,  # with it, by this tool's clock
         "counted": "device time (kernels)" if counted.device == "cuda" else "main thread's time (self CPU time)",
         "categories": {key: {"label": labels[key], "ms_per_step": ms, "share": ms / traced_ms,
+                             "kernels_per_step": None if kernels is None else kernels[key],
                              "top": counted.top(key, 10)} for key, ms in per_step.items()},
         "traced_step_ms": traced_ms,  # the categories' sum: the profiled steps by the trace's clock
         "host_categories": ({key: {"label": labels[key] if key != "host" else HOST_LABEL["cpu"], "ms_per_step": ms,
@@ -190,17 +191,20 @@ def forward_flops(cfg, torch) -> dict:
 def table(report: dict, top: int) -> str:
     """The report as the lines printed, with the ``top`` names of each category."""
     unit = next(key for key in report if key.endswith("_per_step")).removesuffix("_per_step")
+    on_device = report["categories"]["host"].get("kernels_per_step") is not None  # CUDA: kernels per step too
     lines = [f"{report['config']} on {report['device']}, {report['world_size']} rank(s), ZeRO "
              f"{report['zero_stage']}, {report['precision']}: {report[f'{unit}_per_step']:,} {unit} a step; "
              f"{report['steps']} steps timed and {report['steps']} profiled after {report['warmup']} warm-up",
              f"step time {report['step_ms']:.1f} ms; profiled {report['profiled_step_ms']:.1f} ms by the clock, "
              f"{report['traced_step_ms']:.1f} ms by the trace; counted: {report['counted']}",
-             "", f"{'category':<48}{'ms/step':>10}{'share':>9}"]
+             "", f"{'category':<48}{'ms/step':>10}{'share':>9}" + (f"{'kernels':>9}" if on_device else "")]
     for key, row in report["categories"].items():
-        lines.append(f"{row['label']:<48}{row['ms_per_step']:>10.2f}{row['share']:>9.1%}")
+        launched = f"{row['kernels_per_step']:>9,.0f}" if on_device and key != "host" else ""
+        lines.append(f"{row['label']:<48}{row['ms_per_step']:>10.2f}{row['share']:>9.1%}{launched}")
         if key != "host":  # its one name says what the label does
             lines += [f"    {name[:70]:<70}{ms:>10.3f}" for name, ms in row["top"][:top] if ms > 0]
-    lines.append(f"{'total':<48}{report['traced_step_ms']:>10.2f}{1:>9.1%}")
+    launched = f"{sum(row['kernels_per_step'] for row in report['categories'].values()):>9,.0f}" if on_device else ""
+    lines.append(f"{'total':<48}{report['traced_step_ms']:>10.2f}{1:>9.1%}{launched}")
     if report["host_categories"]:  # a step the device waits on is as fast as the host issues it: what the host does
         lines += ["", f"{'the host (main thread) meanwhile':<48}{'ms/step':>10}"]
         for row in report["host_categories"].values():

@@ -94,6 +94,10 @@ class StepTime:
     steps: int
     device: str  # "cuda" or "cpu": what was counted
     host_by_name: dict[str, dict[str, float]]  # the main thread's time, as by_name is on CPU: what the device waits on
+    kernels: dict[str, int] | None = None  # CUDA: kernels launched in the window by category (a host-bound step's cost)
+
+    def kernels_per_step(self) -> dict[str, float] | None:
+        return None if self.kernels is None else {key: n / self.steps for key, n in self.kernels.items()}
 
     def ms_per_step(self, host: bool = False) -> dict[str, float]:
         by_name = self.host_by_name if host else self.by_name
@@ -126,8 +130,10 @@ def step_time(trace: dict) -> StepTime:
     _nest(host)
     _link_backward_to_forward(host, flows)
     host_by_name = _main_thread_time(host, _main_thread(host, window), window)
-    by_name = _device_time(device, host, window) if device else host_by_name
-    return StepTime(by_name, window[1] - window[0], len(steps), "cuda" if device else "cpu", host_by_name)
+    if not device:
+        return StepTime(host_by_name, window[1] - window[0], len(steps), "cpu", host_by_name)
+    by_name, kernels = _device_time(device, host, window)
+    return StepTime(by_name, window[1] - window[0], len(steps), "cuda", host_by_name, kernels)
 
 
 def _nest(events: list[Event]) -> None:
@@ -248,16 +254,18 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
     return total
 
 
-def _device_time(device: list[Event], host: list[Event], window: tuple[float, float]) -> dict[str, dict[str, float]]:
+def _device_time(device: list[Event], host: list[Event], window: tuple[float, float]
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
     """CUDA: the window's device time by the category of the op that launched each kernel; overlaps counted once
-    (compute before communication), idle time as "host" (the device waits on it)."""
+    (compute before communication), idle time as "host" (the device waits on it); and the kernels (copies and
+    memsets too) that started in the window by category: each one a launch the host paid for."""
     launches = {}  # a kernel's launch: the runtime call with its correlation id, else the op with its external id
     for event in host:
         if event.cat in ("cuda_runtime", "cuda_driver", "Runtime") and "correlation" in event.args:
             launches[("correlation", event.args["correlation"])] = event
         elif event.cat in ("cpu_op", "Operator") and "External id" in event.args:
             launches[("External id", event.args["External id"])] = event
-    kinds = []
+    kinds, counts = [], dict.fromkeys(CATEGORIES, 0)
     for kernel in device:
         start, end = max(kernel.start, window[0]), min(kernel.end, window[1])
         if end <= start:
@@ -269,7 +277,8 @@ def _device_time(device: list[Event], host: list[Event], window: tuple[float, fl
         else:
             kind = category(launcher) if launcher is not None else "other"
         kinds.append((start, end, kind, kernel.name))
-    return _sweep(kinds, window)
+        counts[kind] += kernel.start >= window[0]  # one running into the window was launched before it
+    return _sweep(kinds, window), counts
 
 
 def _sweep(intervals: list[tuple[float, float, str, str]], window: tuple[float, float]) -> dict[str, dict[str, float]]:

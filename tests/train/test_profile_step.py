@@ -99,6 +99,9 @@ def test_device_time_goes_to_the_launching_ops_category(load_tool):
                                                    "host": 0.040})
     assert counted.top("mixer", 5) == [("bmm_kernel", pytest.approx(0.015)),
                                        ("bmm_backward_kernel", pytest.approx(0.010))]
+    # the kernels each category launched: what a host-bound step pays for, whatever each one's length
+    assert counted.kernels_per_step() == {"mixer": 2, "matmul": 1, "elementwise": 0, "loss": 0, "optimizer": 1,
+                                          "communication": 1, "other": 0, "host": 0}
     # what the host's main thread does meanwhile: each op's self time (its launches aside), the rest between ops
     assert counted.ms_per_step(host=True) == pytest.approx({"mixer": 0.007, "matmul": 0.003, "elementwise": 0,
                                                             "loss": 0, "optimizer": 0.008, "communication": 0.004,
