@@ -9,8 +9,8 @@
 #   run(command="BUDGET_S=570 bash benchmarks/gpu_session.sh", carry=[".whl", ".gpudata", ".gpucache"], timeout_s=600)
 # A session has 15 minutes of device time in all, the machine's start included (round 4 held it 807 s for 752 s of
 # stages, two calls), and the stages' limits add up to far more: the first call reaches about kernel_tests_new, a
-# second on the still-warm machine (ONLY="profile_linear_compiled profile_gdn_compiled profile_softmax_compiled",
-# BUDGET_S=200) the compiled 4k step; what is left waits for the next session with a device.
+# second on the still-warm machine (ONLY="profile_gdn_compiled profile_gdn_eager", BUDGET_S=200) the GDN hybrid's
+# 4k step compiled and eager; what is left waits for the next session with a device.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 BUDGET_S=${BUDGET_S:-560}
@@ -78,6 +78,9 @@ stage kernel_tests_new 150 $PYTEST --timeout=100 tests/ops/test_kda_triton.py te
 # 2. The compiled step, now that it compiles once per kind of block and grad mode: 4k, then 16k against softmax
 stage profile_linear_compiled 150 profile linear_compiled configs/lm/linear_1b.yaml train.compile=true
 stage profile_gdn_compiled 180 profile gdn_compiled configs/lm/gdn_hybrid_1b.yaml train.compile=true
+# the same eager: its kernels per step against the compiled one's, now that the norms run on torch's fused kernels
+# and the short convolutions on ours (about a third of an eager GDN block's launches were the convolutions' loops)
+stage profile_gdn_eager 150 profile gdn_eager configs/lm/gdn_hybrid_1b.yaml train.compile=false
 stage profile_softmax_compiled 150 profile softmax_compiled configs/softmax_lm_1b.yaml train.compile=true
 stage profile_gdn_16k 150 profile gdn_16k configs/lm/gdn_hybrid_1b.yaml train.compile=true train.seq_len=16384 \
     train.micro_batch_size=1
