@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from ..ops import apply_rope
+from ..ops import rope_rotation
 from ..ops.decayed_linear_attention import decayed_linear_attention
 from .base import Mixer
 from .common import token_positions
@@ -131,7 +131,8 @@ class Retention(Mixer):
         (if asked)."""
         k = k * self.head_dim ** -0.5
         if self.rope:
-            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+            rotate = rope_rotation(position_ids, self.head_dim, self.rope_theta, dtype=q.dtype)
+            q, k = rotate(q), rotate(k)
         return q, k, v
 
     def _output(self, x, o):

@@ -7,7 +7,7 @@ whole rows' document boundaries, and a second all-to-all trades back.
 import torch
 from torch import nn
 
-from ..ops import apply_rope, cu_seqlens_from_position_ids, softmax_attention
+from ..ops import cu_seqlens_from_position_ids, rope_rotation, softmax_attention
 from ..ops.softmax import IMPLS
 from ..parallel import gather_positions, slice_layout
 from .base import Mixer
@@ -117,7 +117,8 @@ class SoftmaxAttention(Mixer):
         k = self.k_norm(self.k_proj(x).view(heads))
         v = self.v_proj(x).view(heads)
         if position_ids is not None:
-            q, k = apply_rope(q, position_ids, self.rope_theta), apply_rope(k, position_ids, self.rope_theta)
+            rotate = rope_rotation(position_ids, self.head_dim, self.rope_theta, dtype=q.dtype)
+            q, k = rotate(q), rotate(k)
         return q, k, v
 
     def flops_per_token(self, seq_len: int) -> float:

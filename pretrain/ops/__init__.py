@@ -12,6 +12,6 @@ from .aft import (aft_conv2d, aft_conv2d_naive, aft_full, aft_full_naive, aft_lo
                   aft_simple_naive)
 from .linear_attention import LinearAttentionState, linear_attention
 from .decayed_linear_attention import decayed_linear_attention
-from .rope import apply_rope
+from .rope import apply_rope, rope_rotation
 from .softmax import softmax_attention, softmax_attention_naive
 from .soft import newton_schulz_pinv, soft_attention, soft_attention_naive
