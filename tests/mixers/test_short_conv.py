@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.attention.short_conv import ShortConvolution, causal_depthwise_conv
+from pretrain.attention.short_conv import ShortConvolution
+from pretrain.ops.short_conv import short_conv
 
 F64 = dict(dtype=torch.float64)
 
@@ -128,7 +129,7 @@ def test_init_is_nn_conv1ds_default_bound():
 def test_the_functional_form_is_the_module_without_activation():
     conv = random_conv(3, 2, activation=None)
     x = torch.randn(1, 5, 3, **F64)
-    torch.testing.assert_close(causal_depthwise_conv(x, conv.weight), conv(x), rtol=0, atol=0)
+    torch.testing.assert_close(short_conv(x, conv.weight, activation=None), conv(x), rtol=0, atol=0)
 
 
 def test_bad_input_is_refused_by_shape():
