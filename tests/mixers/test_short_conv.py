@@ -142,3 +142,15 @@ def test_bad_input_is_refused_by_shape():
         conv(torch.zeros(1, 5, 3))
     with pytest.raises(ValueError, match=r"before must be \[B, K − 1, C\] = \(1, 2, 4\)"):
         conv(torch.zeros(1, 5, 4), before=torch.zeros(1, 3, 4))
+
+
+def test_the_op_refuses_bad_input_by_name():
+    x = torch.zeros(2, 5, 4)
+    with pytest.raises(ValueError, match=r"weight must be \[C, K\] with K ≥ 1; got \(4,\)"):
+        short_conv(x, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"bias must be \[C\] = \(4,\); got \(3,\)"):
+        short_conv(x, torch.zeros(4, 2), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \(2, 5\); got \(1, 5\)"):
+        short_conv(x, torch.zeros(4, 2), positions=torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        short_conv(x, torch.zeros(4, 2), impl="cuda")

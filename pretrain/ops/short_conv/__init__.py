@@ -13,7 +13,7 @@ from ..first_use import first_use_ok, sample_inputs
 from .naive import ACTIVATIONS, short_conv_naive
 
 try:  # Triton is optional (the gpu extra); without it impl="auto" takes the loop
-    from .triton import short_conv_triton
+    from .triton import CONFIG, short_conv_triton
 except ImportError:
     short_conv_triton = None
 
@@ -49,24 +49,33 @@ def _triton_may_run(x) -> bool:
 
 def _triton_trusted(x, weight, bias, positions, before, activation) -> bool:
     """The kernel's first-use check (``ops/first_use.py``) for this device, dtype and request class (K, activation,
-    bias, packed, a ``before``): two rows of a few token blocks and more than one channel block, packed rows with a
-    one-token document and one across a block boundary when the request packs them. Nothing is made on the device
-    once the class has its verdict."""
+    bias, packed, a ``before``): two rows of three token blocks, the last partial, and two channel blocks, the
+    second partial; when the request packs documents, a one-token document and documents across block boundaries.
+    Nothing is made on the device once the class has its verdict."""
     K, packed = weight.shape[1], positions is not None
     key = ("short_conv_triton", str(x.device), x.dtype, K, activation, bias is not None, packed, before is not None)
-    length, channels = 70, 131  # (the kernel's blocks: 32 tokens, up to 128 channels)
+    block = CONFIG["token_block"]
+    length, channels = 2 * block + 5, CONFIG["channel_block"] + 3
     shapes = [(2, length, channels), (channels, K)] + [(channels,)] * (bias is not None) + \
         [(2, K - 1, channels)] * (before is not None)
 
     def run(impl):
         def call(x, weight, *rest):
-            made = torch.tensor([[*range(30), 0, *range(39)], [*range(5, 40), *range(35)]], device=x.device)
-            return short_conv(x, weight, rest[0] if bias is not None else None, positions=made if packed else None,
+            return short_conv(x, weight, rest[0] if bias is not None else None,
+                              positions=_check_positions(block, x.device) if packed else None,
                               before=rest[-1] if before is not None else None, activation=activation, impl=impl)
         return call
 
     return first_use_ok(key, run("triton"), run("naive"), lambda: sample_inputs(shapes, like=x),
                         kernel_name="the Triton short convolution", reference_name="the tap loop (impl='naive')")
+
+
+def _check_positions(block: int, device) -> torch.Tensor:
+    """Positions of the check's two rows of ``2·block + 5`` tokens: row 0 a document continuing from before it
+    (``block − 1`` tokens), a one-token document, one from ``block`` across ``2·block``; row 1 a document begun 4
+    tokens before the row, across ``block``, then one across ``2·block``."""
+    rows = [[range(block - 1), range(1), range(block + 5)], [range(4, block + 6), range(block + 3)]]
+    return torch.tensor([[p for document in row for p in document] for row in rows], device=device)
 
 
 def check_inputs(x, weight, bias=None, *, positions=None, before=None, activation="silu", impl="auto") -> None:
