@@ -13,7 +13,8 @@ block of tokens × a block of channels of one row (channels contiguous in ``[B, 
   ``K − 1`` inputs of ``before`` (in a row's first block), and the block's partial sums of
   ``dw_i = Σ_t g_t ⊙ x_{t−i}`` and ``db = Σ_t g_t``, which one torch sum adds over the blocks.
 
-Every tensor is read through its strides (a halo sliced from a gathered buffer, an expanded gradient: no copies).
+Every tensor but the bias is read through its strides (a halo sliced from a gathered buffer, an expanded gradient:
+no copies).
 The same kernels run on CPU under ``TRITON_INTERPRET=1``, where the tests hold them to the naive form.
 """
 import functools
@@ -22,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch settings, read at each launch (tests shrink the blocks so tiny shapes span several). Not yet tuned on a GPU.
-CONFIG = dict(token_block=32, channel_block=128, num_warps=4)
+# Launch settings, read at each launch (tests shrink the blocks so tiny shapes span several). Not yet tuned on a GPU:
+# 32 × 64 keeps the backward's few live fp32 tiles at 16 values a thread each.
+CONFIG = dict(token_block=32, channel_block=64, num_warps=4)
 
 
 @triton.jit
@@ -173,7 +175,7 @@ class _ShortConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, before, positions, activation, out_dtype):
-        batch, seq_len, channels = x.shape
+        seq_len, channels = x.shape[1:]
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         launch = _Launch(x, weight, bias, before, positions, activation)
         _forward_kernel[launch.grid](x, weight, launch.bias, launch.positions, launch.before, y, seq_len, channels,
@@ -199,8 +201,10 @@ class _ShortConv(torch.autograd.Function):
             x, weight, launch.bias, launch.positions, launch.before, dy, dx, d_before if d_before_wanted else dx,
             partial, seq_len, channels, *launch.strides, *dy.stride(), **launch.flags, D_BEFORE=d_before_wanted,
             BH=triton.next_power_of_2(max(K - 1, 1)), num_warps=CONFIG["num_warps"])
-        sums = partial.sum((0, 1)).to(weight.dtype)  # the blocks' dw (and db) added
-        dw = sums[:channels * K].view(channels, K)
+        sums = partial.sum((0, 1))  # the blocks' dw (and db) added
+        if bias is None or bias.dtype == weight.dtype:
+            sums = sums.to(weight.dtype)  # one cast for both
+        dw = sums[:channels * K].view(channels, K).to(weight.dtype)
         db = None if bias is None else sums[channels * K:].to(bias.dtype)
         return dx, dw, db, d_before, None, None, None
 
@@ -230,4 +234,5 @@ def short_conv_triton(x, weight, bias=None, *, positions=None, before=None, acti
     out_dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
     if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"impl='triton' takes fp32, bf16 or fp16; got {out_dtype}")
+    bias = None if bias is None else bias.contiguous()  # (read with stride 1; a parameter already is)
     return _ShortConv.apply(x, weight, bias, before, positions, activation, out_dtype)
