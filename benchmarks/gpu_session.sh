@@ -67,12 +67,14 @@ stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_delta_rule_triton.py
 stage op_profile 90 python3 tools/bench_triton_gpu.py \
     --profile gated_delta_triton,kda_triton,dplr_triton,decay_triton,linear_triton --out "$RES/gpu_op_profile.json"
 stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \
-    --only linear_triton,decay_triton,gated_delta_triton,kda_triton,dplr_triton,sdpa_flash --out "$RES/gpu_bench_ops.json"
+    --only linear_triton,decay_triton,gated_delta_triton,kda_triton,dplr_triton,sdpa_flash,short_conv_naive,short_conv_triton \
+    --out "$RES/gpu_bench_ops.json"
 # The DPLR kernels (KDA's and the general rule's) and the decayed kernels' segments, all new and interpreter-only so
 # far, after the table: a miscompile there voids their rows of it, not the others'; and the norm on torch's fused
-# kernels (the eager profiles below run it)
+# kernels (the eager profiles below run it); the short convolution's kernels (the loop's launches are a third of a
+# Gated DeltaNet block's)
 stage kernel_tests_new 150 $PYTEST --timeout=100 tests/ops/test_kda_triton.py tests/ops/test_dplr_triton.py \
-    tests/ops/test_decayed_linear_attention_triton.py \
+    tests/ops/test_decayed_linear_attention_triton.py tests/ops/test_short_conv_triton.py \
     tests/engine/test_model.py::test_rms_norm_on_cuda_runs_torchs_fused_kernels_and_agrees_with_ours
 
 # 2. The compiled step, now that it compiles once per kind of block and grad mode: 4k, then 16k against softmax

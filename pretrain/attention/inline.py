@@ -6,7 +6,7 @@ branch on V added before the output projection:
 - vision (non-causal, ``hw=(H, W)`` given to ``forward``): the paper's *dynamic* depthwise 3×3 convolution on the
   image grid, its kernel made per sample from the token mean by two grouped 1×1 convolutions;
 - causal LM: a static causal depthwise 1-D convolution of ``conv_size`` taps (a dynamic kernel would see the
-  future), which stops at document starts (``short_conv.causal_depthwise_conv``).
+  future), which stops at document starts (``ops.short_conv`` without bias or activation).
 With ``short_conv`` (off by default, as in every linear-state mixer) q, k, v are convolved before all this, so the
 local branch reads the convolved values.
 """
@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.linear_attention import linear_attention
+from ..ops.short_conv import short_conv as causal_conv
 from .base import Mixer
 from .common import token_positions
 from .registry import register
 from .sequence_parallel import SliceConvolutions, from_previous_rank, linear_attention_entering
-from .short_conv import causal_depthwise_conv
 
 
 @register("inline")
@@ -66,7 +66,8 @@ class InLineAttention(Mixer):
                              initial_state=initial, chunk_size=self.chunk_size, impl=self.impl)
         o = o.reshape(batch, seq_len, self.dim)
         if self.local and self.causal:
-            o = o + causal_depthwise_conv(v.reshape(batch, seq_len, self.dim), self.taps, position_ids, before)
+            o = o + causal_conv(v.reshape(batch, seq_len, self.dim), self.taps, positions=position_ids, before=before,
+                                activation=None)
         elif self.local:
             if hw is None or cu_seqlens is not None:
                 raise ValueError("the non-causal inline mixer convolves the image grid: pass hw=(H, W) and no "
@@ -103,7 +104,7 @@ class InLineAttention(Mixer):
         o = o.reshape(batch, seq_len, self.dim)
         if self.local:  # the taps reach back into the values before this piece (zeros before the first token)
             values = v.reshape(batch, seq_len, self.dim)
-            o = o + causal_depthwise_conv(values, self.taps, None, recent)
+            o = o + causal_conv(values, self.taps, before=recent, activation=None)
             recent = torch.cat([recent, values], dim=1)[:, seq_len:]
         return self.o_proj(o), ((attn_state, recent), tails)
 

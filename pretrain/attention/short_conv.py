@@ -3,30 +3,16 @@
 docs/MIXERS.md#short-convolution: ``y_t = act(b + Σ_{i<K} w_i ⊙ x_{t−i})``, one ``K``-tap kernel per channel,
 taps that would reach a token of an earlier document dropped. On the keys it lets a key carry the token before it,
 so a linear state can bind a key to the value that follows it (the MQAR argument). flash-linear-attention's
-``ShortConvolution`` in behaviour; the weight here is ``[C, K]`` with ``weight[:, i]`` weighing ``x_{t−i}``.
+``ShortConvolution`` in behaviour; the weight here is ``[C, K]`` with ``weight[:, i]`` weighing ``x_{t−i}``. The
+module holds the parameters; the op (``ops/short_conv``: the tap loop, and one Triton kernel each way on CUDA)
+computes.
 """
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-ACTIVATIONS = {"silu": F.silu, None: lambda x: x}
-
-
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor | None = None,
-                          before: torch.Tensor | None = None) -> torch.Tensor:
-    """``Σ_i weight[:, i] · x_{t−i}`` over ``x [B, T, C]`` with ``weight [C, K]``, reaching into ``before
-    [B, K − 1, C]`` (the inputs just before ``x``, oldest first; zeros when None) for taps that stay inside the
-    token's document (``positions [B, T]``: each token's position in its document; None: the row continues one
-    document)."""
-    seq_len, reach = x.shape[1], weight.shape[1] - 1
-    inputs = torch.cat([x.new_zeros(x.shape[0], reach, x.shape[2]) if before is None else before, x], dim=1)
-    out = x * weight[:, 0]
-    for i in range(1, reach + 1):
-        earlier = inputs[:, reach - i: reach - i + seq_len] * weight[:, i]
-        out = out + (earlier if positions is None else earlier * (positions >= i)[..., None])
-    return out
+from ..ops.short_conv import ACTIVATIONS, check_inputs, short_conv
 
 
 class ShortConvolution(nn.Module):
@@ -54,16 +40,13 @@ class ShortConvolution(nn.Module):
         each row is one document); a tap never reaches a token of an earlier document. ``before [B, K − 1, C]``:
         the ``K − 1`` inputs just before ``x``, oldest first (a decoding tail or a sequence-parallel halo); None:
         zeros."""
-        self._check(x, before)
-        out = causal_depthwise_conv(x, self.weight, position_ids, before)
-        if self.bias is not None:
-            out = out + self.bias
-        return ACTIVATIONS[self.activation](out)
+        return short_conv(x, self.weight, self.bias, positions=position_ids, before=before,
+                          activation=self.activation)
 
     def tail(self, x: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
         """The last ``K − 1`` inputs of ``before ++ x`` (``before`` None: zeros), oldest first: the decoding state
         that the next piece passes as ``before``."""
-        self._check(x, before)
+        check_inputs(x, self.weight, before=before)
         if before is None:
             before = x.new_zeros(x.shape[0], self.halo, x.shape[2])
         return torch.cat([before, x], dim=1)[:, x.shape[1]:]
@@ -71,13 +54,6 @@ class ShortConvolution(nn.Module):
     def flops_per_token(self) -> float:
         """Forward FLOPs per token: a multiply-add per tap and channel (the activation not counted)."""
         return 2.0 * self.kernel_size * self.channels
-
-    def _check(self, x: torch.Tensor, before: torch.Tensor | None) -> None:
-        if x.dim() != 3 or x.shape[2] != self.channels:
-            raise ValueError(f"short_conv expects x [B, T, {self.channels}]; got {tuple(x.shape)}")
-        if before is not None and before.shape != (x.shape[0], self.halo, self.channels):
-            raise ValueError(f"short_conv's before must be [B, K − 1, C] = {(x.shape[0], self.halo, self.channels)}; "
-                             f"got {tuple(before.shape)}")
 
     def extra_repr(self) -> str:
         return (f"{self.channels}, kernel_size={self.kernel_size}, activation={self.activation!r}, "

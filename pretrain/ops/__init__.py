@@ -15,3 +15,4 @@ from .decayed_linear_attention import decayed_linear_attention
 from .rope import apply_rope, rope_rotation
 from .softmax import softmax_attention, softmax_attention_naive
 from .soft import newton_schulz_pinv, soft_attention, soft_attention_naive
+from .short_conv import short_conv, short_conv_naive

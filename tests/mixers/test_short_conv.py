@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.attention.short_conv import ShortConvolution, causal_depthwise_conv
+from pretrain.attention.short_conv import ShortConvolution
+from pretrain.ops.short_conv import short_conv
 
 F64 = dict(dtype=torch.float64)
 
@@ -128,7 +129,7 @@ def test_init_is_nn_conv1ds_default_bound():
 def test_the_functional_form_is_the_module_without_activation():
     conv = random_conv(3, 2, activation=None)
     x = torch.randn(1, 5, 3, **F64)
-    torch.testing.assert_close(causal_depthwise_conv(x, conv.weight), conv(x), rtol=0, atol=0)
+    torch.testing.assert_close(short_conv(x, conv.weight, activation=None), conv(x), rtol=0, atol=0)
 
 
 def test_bad_input_is_refused_by_shape():
@@ -141,3 +142,15 @@ def test_bad_input_is_refused_by_shape():
         conv(torch.zeros(1, 5, 3))
     with pytest.raises(ValueError, match=r"before must be \[B, K − 1, C\] = \(1, 2, 4\)"):
         conv(torch.zeros(1, 5, 4), before=torch.zeros(1, 3, 4))
+
+
+def test_the_op_refuses_bad_input_by_name():
+    x = torch.zeros(2, 5, 4)
+    with pytest.raises(ValueError, match=r"weight must be \[C, K\] with K ≥ 1; got \(4,\)"):
+        short_conv(x, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"bias must be \[C\] = \(4,\); got \(3,\)"):
+        short_conv(x, torch.zeros(4, 2), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\] = \(2, 5\); got \(1, 5\)"):
+        short_conv(x, torch.zeros(4, 2), positions=torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        short_conv(x, torch.zeros(4, 2), impl="cuda")
