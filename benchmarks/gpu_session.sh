@@ -11,19 +11,35 @@
 # stages, two calls), and the stages' limits add up to far more: the first call reaches about kernel_tests_new, a
 # second on the still-warm machine (ONLY="profile_gdn_compiled profile_gdn_eager", BUDGET_S=200) the GDN hybrid's
 # 4k step compiled and eager; what is left waits for the next session with a device.
+# Rehearse it on CPU before spending device minutes (tests/train/test_gpu_plan.py does, in CI): every stage runs its
+# command checked, not run (the tools with --dry-run: arguments, op names, configs and overrides, the model built on
+# the meta device; pytest collecting the tests named), so a misspelt flag, test, key or stage name fails here:
+#   PATH=$PWD/.venv/bin:$PATH REHEARSE=1 bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 BUDGET_S=${BUDGET_S:-560}
 ONLY=${ONLY:-}
+REHEARSE=${REHEARSE:-}
+GPUDATA=${GPUDATA:-.gpudata}  # benchmarks/gpu_prepare.sh's data
 CACHE_S=25  # kept back at the end to pack the compile cache
-RES=/tmp/gpu_results  # each stage's files; packed into $OUT/results.tgz after every stage (8 files come back at most)
+RES=${RES:-/tmp/gpu_results}  # each stage's files; packed into $OUT/results.tgz after every stage (8 files come back)
+for name in $ONLY; do  # a misspelt name would skip its stage silently
+  grep -q "^stage $name " "$0" || { echo "ONLY: no stage named $name; the stages:" \
+    $(sed -n 's/^stage \([a-z0-9_]*\) .*/\1/p' "$0"); exit 2; }
+done
 mkdir -p "$OUT" "$RES"
 exec > >(tee -a "$OUT/session.log") 2>&1
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TRITON_CACHE_DIR=/tmp/triton_cache \
-    TRITON_CACHE_AUTOTUNING=1 TORCHINDUCTOR_CACHE_DIR=/tmp/triton_cache/inductor
+if [ -n "$REHEARSE" ]; then
+  echo "rehearsal: every stage checked, nothing run"
+  export PYTHONPATH=$PWD DRY=--dry-run LAUNCH=python3
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD DRY= LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node=1"
+fi
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1 \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/triton_cache/inductor
 mkdir -p "$TRITON_CACHE_DIR"
 ls .gpucache/triton.tgz.* >/dev/null 2>&1 && cat .gpucache/triton.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
     && echo "compile cache restored"
@@ -41,17 +57,18 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it under min(LIMIT_S, time left)
     tar -czf "$OUT/results.tgz" -C "$RES" .
 }
 
-PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short ${REHEARSE:+--collect-only -q}"
+BENCH="python3 tools/bench_triton_gpu.py $DRY"
 # The first session's ~308M LM at 4k context on one GPU, bf16, ZeRO 2 (configs/softmax_lm_1b.yaml's one-node settings)
-LM="model.vocab_size=0 model.dim=1024 model.n_layers=24 model.n_heads=8 data.tokenizer=.gpudata/tok/stdlib.model
-  data.train_shards=.gpudata/shards/train data.val_shards=.gpudata/shards/valid data.num_workers=1
+LM="model.vocab_size=0 model.dim=1024 model.n_layers=24 model.n_heads=8 data.tokenizer=$GPUDATA/tok/stdlib.model
+  data.train_shards=$GPUDATA/shards/train data.val_shards=$GPUDATA/shards/valid data.num_workers=1
   train.seq_len=4096 train.micro_batch_size=4 train.grad_accum_steps=1"
 export LM RES
 profile() {  # profile NAME CONFIG [k=v ...]: the trainer's tokens/s and MFU, and the step's time by category
     local name=$1 config=$2
     shift 2
-    python3 -m torch.distributed.run --standalone --nproc_per_node=1 tools/profile_step.py --config "$config" \
-        --steps 3 --warmup 3 --top 5 --out "/tmp/prof_$name" --json "$RES/profile_$name.json" $LM "$@"
+    $LAUNCH tools/profile_step.py $DRY --config "$config" --steps 3 --warmup 3 --top 5 --out "/tmp/prof_$name" \
+        --json "$RES/profile_$name.json" $LM "$@"
 }
 
 stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
@@ -64,9 +81,9 @@ import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varle
 #    every figure after it. Then where each op's fwd+bwd spends its time at 16k, and the op table at 4k-32k with the
 #    copy ceiling (issue 45: the delta rule <= 1.5x the linear kernel at 16k; linear >= 50 % of the ceiling at 32k)
 stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_delta_rule_triton.py tests/ops/test_linear_attention_triton*.py
-stage op_profile 90 python3 tools/bench_triton_gpu.py \
+stage op_profile 90 $BENCH \
     --profile gated_delta_triton,kda_triton,dplr_triton,decay_triton,linear_triton --out "$RES/gpu_op_profile.json"
-stage bench_ops 150 python3 tools/bench_triton_gpu.py --ceilings --bench 4096,16384,32768 \
+stage bench_ops 150 $BENCH --ceilings --bench 4096,16384,32768 \
     --only linear_triton,decay_triton,gated_delta_triton,kda_triton,dplr_triton,sdpa_flash,short_conv_naive,short_conv_triton \
     --out "$RES/gpu_bench_ops.json"
 # The DPLR kernels (KDA's and the general rule's) and the decayed kernels' segments, all new and interpreter-only so
@@ -98,14 +115,14 @@ stage profile_linear_mb16 150 profile linear_mb16 configs/lm/linear_1b.yaml trai
 #    ones, the rule's other side (B=8, H=32 forced into segments), and packed rows (B=1, H=16: 20 documents with one
 #    of 8k; a 30k document among 100 of 20 tokens) whole and cut by the table, linear and decayed (notes_triton.md
 #    "Segments"); the linear and decayed kernels' sweep; the delta rule's (value block, warps, stages of its scans)
-stage segments 150 python3 tools/bench_triton_gpu.py --segments --out "$RES/gpu_segments.json"
-stage sweep 150 python3 tools/bench_triton_gpu.py --sweep --out "$RES/gpu_sweep.json"
-stage sweep_delta 150 python3 tools/bench_triton_gpu.py --sweep-delta --out "$RES/gpu_sweep_delta.json"
+stage segments 150 $BENCH --segments --out "$RES/gpu_segments.json"
+stage sweep 150 $BENCH --sweep --out "$RES/gpu_sweep.json"
+stage sweep_delta 150 $BENCH --sweep-delta --out "$RES/gpu_sweep_delta.json"
 
 # Triton's and inductor's caches, in parts under the 16 MiB a returned file may have (the last one was 49 MB)
 tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15m -a 1 - "$OUT/triton.tgz." && ls -la "$OUT"/triton.tgz.*
 echo "=== done at ${SECONDS}s"
 for f in "$RES"/profile_*.json; do  # the short table the reply carries: tokens/s and MFU per run
-  [ -f "$f" ] && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/', 1)[-1],
-  {k: d['throughput'].get(k) for k in ('train/tokens_per_s', 'train/mfu')}, round(d['step_ms'], 1), 'ms')" "$f"
+  if [ -f "$f" ]; then python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1].rsplit('/', 1)[-1],
+  {k: d['throughput'].get(k) for k in ('train/tokens_per_s', 'train/mfu')}, round(d['step_ms'], 1), 'ms')" "$f"; fi
 done

@@ -143,6 +143,9 @@ def flops_per_token_head(dk, dv, chunk, fwd_only):
     return fwd if fwd_only else fwd + bwd
 
 
+FLA_OPS = ("fla_chunk", "fla_chunk_div", "decay_fla", "gated_delta_fla")  # rows where fla-core is installed
+
+
 def make_ops(B, T, H, D, chunk=64):
     """name -> (setup() -> (fn_fwd, fn_fwdbwd)); inputs made inside so each op owns its memory."""
     def linear(impl, normalize):
@@ -218,9 +221,7 @@ def make_ops(B, T, H, D, chunk=64):
     ops = {"sdpa_flash": sdpa(), "linear_triton": linear("triton", "none"),
            "linear_triton_div": linear("triton", "divisive"), "linear_chunk": linear("chunk", "none")}
     if chunk_linear_attn is not None:
-        ops["fla_chunk"] = fla(False)
-        ops["fla_chunk_div"] = fla(True)
-        ops["decay_fla"], ops["gated_delta_fla"] = gated("decay", "fla"), gated("delta", "fla")
+        ops.update(zip(FLA_OPS, (fla(False), fla(True), gated("decay", "fla"), gated("delta", "fla"))))
     ops["decay_triton"] = gated("decay", "triton")
     ops["decay_chunk"], ops["gated_delta_chunk"] = gated("decay", "chunk"), gated("delta", "chunk")
     ops["gated_delta_triton"] = gated("delta", "triton")  # issue 45's goal: ≤ 1.5× linear_triton at 16k
@@ -448,9 +449,9 @@ def kernel_profile(results, names, T, B=8, H=32, D=128, repeats=3):
     from torch.profiler import ProfilerActivity, profile
     rows = results.setdefault("kernel_profile", [])
     ops = make_ops(B, T, H, D)
-    unknown = sorted(set(names) - set(ops))
-    if unknown:
-        raise SystemExit(f"--profile: no op named {', '.join(unknown)}; ops here: {', '.join(ops)}")
+    missing = sorted(set(names) - set(ops))  # the names are checked at parse time: these are fla's
+    if missing:
+        raise SystemExit(f"--profile: {', '.join(missing)} need fla-core, which is not installed here")
     on_device = DEV == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
     field = "self_device_time_total" if on_device else "self_cpu_time_total"
@@ -477,7 +478,26 @@ def kernel_profile(results, names, T, B=8, H=32, D=128, repeats=3):
             log(f"  {k['ms']:9.3f} ms {k['calls']:5d}x  {k['name']}")
 
 
-def main():
+def ints(text: str) -> list[int]:
+    """``"1024,2048"`` → ``[1024, 2048]``: a bad number is a usage error at the start, not a stage's crash later."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated integers; got {text!r}") from None
+
+
+def op_names(text: str) -> list[str]:
+    """``"linear_triton,sdpa_flash"`` → the names, each an op of the table (fla's whether or not fla-core is here): a
+    misspelt name would otherwise bench or profile nothing, and a device session's stage would be spent on it."""
+    names = [x for x in text.split(",") if x]
+    known = set(make_ops(1, 64, 1, 16)) | set(FLA_OPS)  # setups only: nothing is allocated
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no op named {', '.join(unknown)}; the ops: {', '.join(sorted(known))}")
+    return names
+
+
+def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--check", action="store_true", help="correctness of ours on CUDA against fp64 naive")
     p.add_argument("--ceilings", action="store_true", help="copy bandwidth and bf16 matmul rate")
@@ -486,14 +506,23 @@ def main():
     p.add_argument("--segments", action="store_true",
                    help="segmented kernels against whole ones at T=32k, and packed rows (B=1, H=16) whole and cut "
                         "(linear and decayed)")
-    p.add_argument("--bench", default="", help="comma-separated T, e.g. 1024,2048,...,65536")
-    p.add_argument("--only", default="", help="comma-separated op names to bench")
-    p.add_argument("--profile", default="", help="comma-separated op names: each fwd+bwd's kernels by time")
+    p.add_argument("--bench", type=ints, default=[], help="comma-separated T, e.g. 1024,2048,...,65536")
+    p.add_argument("--only", type=op_names, default=[], help="comma-separated op names to bench (default: all)")
+    p.add_argument("--profile", type=op_names, default=[],
+                   help="comma-separated op names: each fwd+bwd's kernels by time")
     p.add_argument("--profile-t", type=int, default=16384, help="T for --profile")
-    p.add_argument("--profile-shape", default="8,32,128", help="B,H,D for --profile")
+    p.add_argument("--profile-shape", type=ints, default=[8, 32, 128], help="B,H,D for --profile")
     p.add_argument("--out", default="gpu_results.json")
     p.add_argument("--device", default="cuda")
-    a = p.parse_args()
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the arguments (op names included) and stop, touching no device: a GPU plan rehearsed "
+                        "on CPU (benchmarks/gpu_session.sh with REHEARSE=1)")
+    a = p.parse_args(argv)
+    if len(a.profile_shape) != 3:
+        p.error(f"--profile-shape wants B,H,D; got {a.profile_shape}")
+    if a.dry_run:
+        log(f"dry run: arguments checked ({' '.join(argv if argv is not None else sys.argv[1:])})")
+        return
     # A device call's time limit ends this process with SIGTERM: exit through the `finally` below, which writes
     # what was measured so far (the first GPU session lost its check and benchmark JSON to a timeout).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -529,10 +558,9 @@ def main():
                 segments(results)
                 packed_segments(results)
         if a.profile:
-            B, H, D = (int(x) for x in a.profile_shape.split(","))
-            kernel_profile(results, a.profile.split(","), a.profile_t, B, H, D)
+            kernel_profile(results, a.profile, a.profile_t, *a.profile_shape)
         if a.bench:
-            bench(results, [int(t) for t in a.bench.split(",")], only=set(filter(None, a.only.split(","))))
+            bench(results, a.bench, only=set(a.only))
     finally:
         Path(a.out).write_text(json.dumps(results, indent=1))
     table(results)

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                              "keeps 10")
     parser.add_argument("--peak-tflops", type=float,
                         help="the device's peak, for MFU where the trainer does not know it (a CPU)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the config and its overrides, print the run's estimate as launch/pretrain.py "
+                             "--dry-run does (parameters, FLOPs per token, memory per rank: the model on the meta "
+                             "device) and stop: no device touched, nothing profiled")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1:
@@ -53,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_run_config(args.config, args.overrides)
+        if args.dry_run:
+            from pretrain.estimate import estimate
+
+            print(json.dumps(estimate(cfg, int(os.environ.get("WORLD_SIZE", "1")))))
+            return 0
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
