@@ -44,6 +44,10 @@ mkdir -p "$TRITON_CACHE_DIR"
 ls .gpucache/triton.tgz.* >/dev/null 2>&1 && cat .gpucache/triton.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
     && echo "compile cache restored"
 
+cached_kernels() {  # Triton's and inductor's compiled kernels in the cache: a stage's rise is what it compiled
+    find "$TRITON_CACHE_DIR" -name '__grp__*' | wc -l
+}
+
 stage() {  # stage NAME LIMIT_S COMMAND...: run it under min(LIMIT_S, time left), say how it ended
     local name=$1 limit=$2 left=$((BUDGET_S - CACHE_S - SECONDS))
     shift 2
@@ -51,9 +55,11 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it under min(LIMIT_S, time left)
     ((left < limit)) && limit=$left
     if ((limit < 15)); then echo "=== $name: skipped, ${left}s left"; return; fi
     echo "=== $name (limit ${limit}s, at ${SECONDS}s)"
-    local start=$SECONDS
+    local start=$SECONDS cached
+    cached=$(cached_kernels)
     timeout -k 10 "$limit" bash -c "$(declare -f profile); \"\$@\"" _ "$@"  # a function runs too
-    echo "=== $name: rc=$? in $((SECONDS - start))s"
+    local rc=$?
+    echo "=== $name: rc=$rc in $((SECONDS - start))s, $(($(cached_kernels) - cached)) kernels compiled"
     tar -czf "$OUT/results.tgz" -C "$RES" .
 }
 

@@ -57,6 +57,7 @@ def test_every_stage_runs_its_command_within_the_budget(rehearsal):
     ended = dict(re.findall(r"^=== (\w+): rc=(\d+)", done.stdout, flags=re.M))
     assert ended == {name: "0" for name in stages()}, done.stdout[-3000:]
     assert "skipped" not in done.stdout and "rehearsal" in done.stdout
+    assert done.stdout.count(" 0 kernels compiled") == len(stages())  # each stage says what it compiled: nothing
     assert not any(call[:2] == ["-m", "pip"] for call in calls), "a rehearsal installs nothing"
 
 
