@@ -8,9 +8,10 @@
 # $OUT as triton.tgz.a, .b, ...: copy them to .gpucache/ and carry it next time (mind the 64 MiB a call carries).
 #   run(command="BUDGET_S=570 bash benchmarks/gpu_session.sh", carry=[".whl", ".gpudata", ".gpucache"], timeout_s=600)
 # A session has 15 minutes of device time in all, the machine's start included (round 4 held it 807 s for 752 s of
-# stages, two calls), and the stages' limits add up to far more: the first call reaches about kernel_tests_new, a
-# second on the still-warm machine (ONLY="profile_gdn_compiled profile_gdn_eager", BUDGET_S=200) the GDN hybrid's
-# 4k step compiled and eager; what is left waits for the next session with a device.
+# stages, two calls), and the stages' limits add up to far more: the first call reaches about kernel_tests_new
+# (further if the kernel tests' eight workers cut their compiling as hoped: each stage prints what it compiled), a
+# second on the still-warm machine the first profiles it did not reach, the GDN hybrid's 4k step compiled and eager
+# first (ONLY="profile_gdn_compiled profile_gdn_eager", BUDGET_S=200); the rest waits for the next device session.
 # Rehearse it on CPU before spending device minutes (tests/train/test_gpu_plan.py does, in CI): every stage runs its
 # command checked, not run (the tools with --dry-run: arguments, op names, configs and overrides, the model built on
 # the meta device; pytest collecting the tests named), so a misspelt flag, test, key or stage name fails here:
@@ -32,11 +33,14 @@ exec > >(tee -a "$OUT/session.log") 2>&1
 
 if [ -n "$REHEARSE" ]; then
   echo "rehearsal: every stage checked, nothing run"
-  export PYTHONPATH=$PWD DRY=--dry-run LAUNCH=python3
+  export PYTHONPATH=$PWD DRY=--dry-run LAUNCH=python3 WORKERS=
 else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       .whl/*.whl || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD DRY= LAUNCH="python3 -m torch.distributed.run --standalone --nproc_per_node=1"
+  # The kernel tests' time is Triton compiling each variant they launch (round 4: most of 130 s), one at a time in
+  # one process: eight pytest-xdist workers (the image has it) compile side by side on the device's 16 cores
+  export WORKERS="-n 8 --dist load"
 fi
 export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1 \
     TORCHINDUCTOR_CACHE_DIR=/tmp/triton_cache/inductor
@@ -86,7 +90,7 @@ import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varle
 #    (one autograd Function of kernels per block; no spills by the sm_90 report), and a miscompile there would void
 #    every figure after it. Then where each op's fwd+bwd spends its time at 16k, and the op table at 4k-32k with the
 #    copy ceiling (issue 45: the delta rule <= 1.5x the linear kernel at 16k; linear >= 50 % of the ceiling at 32k)
-stage kernel_tests 150 $PYTEST --timeout=100 tests/ops/test_delta_rule_triton.py tests/ops/test_linear_attention_triton*.py
+stage kernel_tests 150 $PYTEST $WORKERS --timeout=100 tests/ops/test_delta_rule_triton.py tests/ops/test_linear_attention_triton*.py
 stage op_profile 90 $BENCH \
     --profile gated_delta_triton,kda_triton,dplr_triton,decay_triton,linear_triton --out "$RES/gpu_op_profile.json"
 stage bench_ops 150 $BENCH --ceilings --bench 4096,16384,32768 \
@@ -96,7 +100,7 @@ stage bench_ops 150 $BENCH --ceilings --bench 4096,16384,32768 \
 # far, after the table: a miscompile there voids their rows of it, not the others'; and the norm on torch's fused
 # kernels (the eager profiles below run it); the short convolution's kernels (the loop's launches are a third of a
 # Gated DeltaNet block's)
-stage kernel_tests_new 150 $PYTEST --timeout=100 tests/ops/test_kda_triton.py tests/ops/test_dplr_triton.py \
+stage kernel_tests_new 150 $PYTEST $WORKERS --timeout=100 tests/ops/test_kda_triton.py tests/ops/test_dplr_triton.py \
     tests/ops/test_decayed_linear_attention_triton.py tests/ops/test_short_conv_triton.py \
     tests/engine/test_model.py::test_rms_norm_on_cuda_runs_torchs_fused_kernels_and_agrees_with_ours
 
