@@ -81,9 +81,13 @@ profile() {  # profile NAME CONFIG [k=v ...]: the trainer's tokens/s and MFU, an
         --json "$RES/profile_$name.json" $LM "$@"
 }
 
+# triton_key: what Triton's compile cache keys start from (its version, its sources and libtriton's bytes). If it is
+# PyPI's triton 3.6.0 for cp312 (bd4757a49ddb4e61, computed on CPU), the cache could be compiled on CPU beforehand
 stage env 30 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader;
   python3 -c "import torch, triton, deepspeed; print(torch.__version__, triton.__version__, deepspeed.__version__)
-import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varlen_attn\"))"'
+import torch.nn.attention.varlen as v; print(\"varlen_attn\", hasattr(v, \"varlen_attn\"))
+import hashlib; from triton.runtime.cache import triton_key
+print(\"triton_key\", hashlib.sha256(triton_key().encode()).hexdigest()[:16])"'
 
 # Round 5 (benchmarks/gpu_h200_round4.md says what the last session found and why these come first).
 # 1. Our kernels first: the delta rule's forward and backward were rebuilt on CPU since they last ran on a device
