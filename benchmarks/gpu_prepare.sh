@@ -33,3 +33,16 @@ write_corpus(Path('.gpudata/corpus'), 3_000_000, 50_000)"
   done
 fi
 echo "data: $(du -sh .gpudata | cut -f1) in .gpudata"
+
+# With WARM_CACHE=1, also Triton's compile cache for the device, built here (tools/warm_triton_cache.py: the plan's
+# kernel tests, op table and eager steps compiled for sm_90 under the device image's Python, torch and Triton, in a
+# 5 GB venv .py312 of their versions; about 15 minutes on two cores), packed into .gpucache/triton.tgz.a
+if [ -n "${WARM_CACHE:-}" ]; then
+  PY312=${PY312:-$(command -v python3.12 || echo "$HOME/.pyenv/versions/3.12.1/bin/python3.12")}
+  if [ ! -x .py312/bin/python ]; then
+    "$PY312" -m venv .py312
+    .py312/bin/pip install -q torch==2.11.0 triton==3.6.0 numpy pytest pytest-timeout omegaconf sentencepiece \
+        tqdm webdataset braceexpand safetensors pillow tensorboard
+  fi
+  .py312/bin/python tools/warm_triton_cache.py --cache .tritoncache
+fi

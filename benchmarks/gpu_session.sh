@@ -3,8 +3,11 @@
 # op table and launch sweep. Each stage runs under its own limit, cut to the time left of
 # BUDGET_S, so a slow stage costs the later ones, not the whole call's output; ONLY="name ..." runs just those stages
 # (a second call picks up where the first ran out). Needs `.whl/` and `.gpudata/` (bash benchmarks/gpu_prepare.sh,
-# on CPU, about two minutes); `.gpucache/triton.tgz.*`, when carried, is Triton's compile cache from an earlier call
-# (compiling and autotuning, not running, spent the first session's minutes). The call leaves an updated cache in
+# on CPU, about two minutes); `.gpucache/triton.tgz.*`, when carried, is Triton's compile cache (compiling, not
+# running, spent the first two sessions' minutes): built on CPU by `WARM_CACHE=1 bash benchmarks/gpu_prepare.sh`
+# (tools/warm_triton_cache.py: the kernel tests', op table's and eager steps' kernels for sm_90; the env stage's
+# triton_key says whether the device reads it, each stage's "kernels compiled" how much it saved), or left by an
+# earlier call. The call leaves an updated cache in
 # $OUT as triton.tgz.a, .b, ...: copy them to .gpucache/ and carry it next time (mind the 64 MiB a call carries).
 #   run(command="BUDGET_S=570 bash benchmarks/gpu_session.sh", carry=[".whl", ".gpudata", ".gpucache"], timeout_s=600)
 # A session has 15 minutes of device time in all, the machine's start included (round 4 held it 807 s for 752 s of

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from ..documents import OffsetsMemo
 from ..linear_attention.triton import _mm
+from ..precision import dot_precision
 from ..recompute import bounded_blocks, in_blocks
 
 MAX_HEAD_DIM = 256  # the state block (Dk × value block, fp32) lives in registers
@@ -678,10 +679,7 @@ def run_in_blocks(function, op: str, q, k, v, *rest, cu_seqlens, initial_state, 
     dv = v.shape[-1]
     if max(dk, dv) > MAX_HEAD_DIM:
         raise ValueError(f"{op}(impl='triton') supports head dims up to {MAX_HEAD_DIM}; got k {dk}, v {dv}")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        precision = "interpret"
-    else:
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = dot_precision(q.dtype)
     layout = _layout(batch, length, cu_seqlens, chunk_size, q.device)  # rows of a batch: documents of one stream
     tokens = [layout.pad(x.reshape(batch * length, *x.shape[2:])) for x in (q, k, v, *rest)]
     blocks = bounded_blocks(layout.count, heads, chunk_size, max(dk, dv), BLOCK_ELEMENTS)

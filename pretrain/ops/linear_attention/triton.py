@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..documents import OffsetsMemo, document_sums
+from ..precision import dot_precision
 from .state import FIELDS, LinearAttentionState, zero_state
 
 NORMALIZE_CODES = {"none": 0, "divisive": 1, "subtractive": 2}
@@ -606,10 +607,7 @@ class _Launch:
         self.NV = triton.cdiv(self.DV, self.BV_split)
         self.rows = self.N * self.H
         self.pairs = self.spans = None  # whole documents
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            self.precision = "interpret"
-        else:
-            self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.precision = dot_precision(q.dtype)
         self.num_warps, self.num_stages = CONFIG["num_warps"], CONFIG["num_stages"]
 
     def segment(self, causal):
