@@ -158,11 +158,13 @@ def _backward_kernel(x, w, bias, pos, before, dy, dx, d_before, partial, T, C, s
     if D_BEFORE:
         if i_t == 0:  # the K − 1 inputs behind the row, tokens −(K − 1) … −1
             behind = tl.arange(0, BH) - (K - 1)
-            grad = _later_taps_gradient(x_b, before_b, pos_b, w, bias, dy_b, behind, cols, in_cols, T, sx_t, sx_c,
-                                        sb_t, sb_c, sp_t, sw_c, sw_k, sd_t, sd_c, BH, BC, K, ACT, HAS_BIAS,
-                                        HAS_BEFORE, HAS_POSITIONS)
+            # its own name: a variable an `if` reassigns must keep its shape (the compiler refuses it, the
+            # interpreter does not)
+            grad_behind = _later_taps_gradient(x_b, before_b, pos_b, w, bias, dy_b, behind, cols, in_cols, T, sx_t,
+                                               sx_c, sb_t, sb_c, sp_t, sw_c, sw_k, sd_t, sd_c, BH, BC, K, ACT,
+                                               HAS_BIAS, HAS_BEFORE, HAS_POSITIONS)
             tl.store(d_before + (i_b * (K - 1) + (behind + K - 1))[:, None] * C + cols[None, :],
-                     grad.to(d_before.dtype.element_ty), mask=(behind < 0)[:, None] & in_cols[None, :])
+                     grad_behind.to(d_before.dtype.element_ty), mask=(behind < 0)[:, None] & in_cols[None, :])
 
 
 def _strides(t: torch.Tensor | None, dims: int) -> tuple[int, ...]:
