@@ -44,5 +44,5 @@ if [ -n "${WARM_CACHE:-}" ]; then
     .py312/bin/pip install -q torch==2.11.0 triton==3.6.0 numpy pytest pytest-timeout omegaconf sentencepiece \
         tqdm webdataset braceexpand safetensors pillow tensorboard
   fi
-  .py312/bin/python tools/warm_triton_cache.py --cache .tritoncache
+  .py312/bin/python -O tools/warm_triton_cache.py --cache .tritoncache
 fi
