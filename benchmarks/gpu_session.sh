@@ -49,7 +49,7 @@ export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TRITON_CACHE_DIR=/tmp/triton_cache
     TORCHINDUCTOR_CACHE_DIR=/tmp/triton_cache/inductor
 mkdir -p "$TRITON_CACHE_DIR"
 ls .gpucache/triton.tgz.* >/dev/null 2>&1 && cat .gpucache/triton.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" \
-    && echo "compile cache restored"
+    && echo "compile cache restored: $(find "$TRITON_CACHE_DIR" -name "__grp__*" | wc -l) kernels"
 
 cached_kernels() {  # Triton's and inductor's compiled kernels in the cache: a stage's rise is what it compiled
     find "$TRITON_CACHE_DIR" -name '__grp__*' | wc -l
