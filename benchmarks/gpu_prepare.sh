@@ -35,8 +35,9 @@ fi
 echo "data: $(du -sh .gpudata | cut -f1) in .gpudata"
 
 # With WARM_CACHE=1, also Triton's compile cache for the device, built here (tools/warm_triton_cache.py: the plan's
-# kernel tests, op table and eager steps compiled for sm_90 under the device image's Python, torch and Triton, in a
-# 5 GB venv .py312 of their versions; about 15 minutes on two cores), packed into .gpucache/triton.tgz.a
+# kernel tests, op table, eager steps and launch sweeps compiled for sm_90 under the device image's Python, torch
+# and Triton, in a 5 GB venv .py312 of their versions; about 45 minutes on two busy cores), packed into
+# .gpucache/triton.tgz.a
 if [ -n "${WARM_CACHE:-}" ]; then
   PY312=${PY312:-$(command -v python3.12 || echo "$HOME/.pyenv/versions/3.12.1/bin/python3.12")}
   if [ ! -x .py312/bin/python ]; then

@@ -1,6 +1,7 @@
 """Triton's compile cache for a device session, filled on CPU: the kernels that benchmarks/gpu_session.sh's kernel
-tests, op benchmarks and eager training steps launch, compiled here for an H200 (sm_90), so that the device runs
-them instead of compiling them (the first two sessions spent their minutes compiling, not running).
+tests, op benchmarks, eager training steps and launch-settings sweeps launch, compiled here for an H200 (sm_90), so
+that the device runs them instead of compiling them (the first two sessions spent their minutes compiling, not
+running).
 
 Triton keys a compiled kernel by its own build (``triton_key``: version, sources, libtriton's bytes), the kernel's
 source and dependencies, the arguments' types and specialization (16-byte alignment, divisibility by 16), the
@@ -158,6 +159,19 @@ def bench_ops(names, T=4096, B=8, H=32, D=128):
         fwdbwd()
 
 
+def launch_sweeps():
+    """The plan's launch-settings sweeps (linear and decayed kernels, the delta rule's scans and per-chunk kernels at
+    T=8k): every setting compiles its kernels. A setting the compiler refuses is said, as the device's row would."""
+    import bench_triton_gpu
+    bench_triton_gpu.DEV = "cpu"
+    results = {}
+    bench_triton_gpu.sweep(results)
+    bench_triton_gpu.sweep_delta(results)
+    for row in results["sweep"]["rows"]:
+        if row["error"]:
+            print(f"refused: {row}", flush=True)
+
+
 def eager_steps(configs: dict[str, int], gpudata: Path):
     """One forward and backward of each profiled LM as its eager step runs it (bf16, documents packed as the loader
     packs them), with one period of its layer pattern: the layers repeat the same launches."""
@@ -200,14 +214,15 @@ def main(argv=None) -> int:
     parser.add_argument("--pack", type=Path, default=REPO / ".gpucache" / "triton.tgz.a",
                         help="the archive the plan carries and restores (benchmarks/gpu_session.sh)")
     parser.add_argument("--gpudata", type=Path, default=REPO / ".gpudata", help="benchmarks/gpu_prepare.sh's data")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "bench", "steps"], help="workloads left out")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["tests", "bench", "steps", "sweeps"],
+                        help="workloads left out")
     args = parser.parse_args(argv)
     if triton.__version__ != DEVICE_TRITON:
         parser.error(f"the device compiles with triton {DEVICE_TRITON}; this is {triton.__version__}, whose cache it "
                      "would not read (run this under the device image's versions, as the docstring says)")
     prepare(args.cache)
     workloads = {"tests": lambda: kernel_tests(PLAN_TESTS), "bench": lambda: bench_ops(BENCH_OPS),
-                 "steps": lambda: eager_steps(MODELS, args.gpudata)}
+                 "steps": lambda: eager_steps(MODELS, args.gpudata), "sweeps": launch_sweeps}
     for name, workload in workloads.items():
         if name not in args.skip:
             before, start = cached(args.cache), time.perf_counter()
