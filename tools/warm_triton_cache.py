@@ -108,6 +108,7 @@ def as_on_the_device():
     is the device's, and the wrappers take CPU tensors (``TRITON_INTERPRET=1``, read by them only: the kernels are
     already JIT functions)."""
     import pretrain.ops  # noqa: F401  (every op package, so the loop below finds them)
+    from pretrain.ops import first_use
     from pretrain.ops.precision import gpu_dot_precision
 
     def may_run(original):
@@ -116,7 +117,6 @@ def as_on_the_device():
                 return original(*args, **kwargs)
         return check
 
-    from pretrain.ops import first_use
     checked = set()
 
     def trusted(key, kernel, reference, inputs, **names):
@@ -161,15 +161,12 @@ def bench_ops(names, T=4096, B=8, H=32, D=128):
 
 def launch_sweeps():
     """The plan's launch-settings sweeps (linear and decayed kernels, the delta rule's scans and per-chunk kernels at
-    T=8k): every setting compiles its kernels. A setting the compiler refuses is said, as the device's row would."""
+    T=8k): every setting compiles its kernels (one the compiler refused would stop this with its error)."""
     import bench_triton_gpu
     bench_triton_gpu.DEV = "cpu"
     results = {}
     bench_triton_gpu.sweep(results)
     bench_triton_gpu.sweep_delta(results)
-    for row in results["sweep"]["rows"]:
-        if row["error"]:
-            print(f"refused: {row}", flush=True)
 
 
 def eager_steps(configs: dict[str, int], gpudata: Path):
