@@ -1,7 +1,7 @@
 """Triton's compile cache for a device session, filled on CPU: the kernels that benchmarks/gpu_session.sh's kernel
-tests, op benchmarks, eager training steps and launch-settings sweeps launch, compiled here for an H200 (sm_90), so
-that the device runs them instead of compiling them (the first two sessions spent their minutes compiling, not
-running).
+tests, op benchmarks, eager training steps and launch-settings stages (segments, sweeps) launch, compiled here for
+an H200 (sm_90), so that the device runs them instead of compiling them (the first two sessions spent their minutes
+compiling, not running).
 
 Triton keys a compiled kernel by its own build (``triton_key``: version, sources, libtriton's bytes), the kernel's
 source and dependencies, the arguments' types and specialization (16-byte alignment, divisibility by 16), the
@@ -160,11 +160,17 @@ def bench_ops(names, T=4096, B=8, H=32, D=128):
 
 
 def launch_sweeps():
-    """The plan's launch-settings sweeps (linear and decayed kernels, the delta rule's scans and per-chunk kernels at
-    T=8k): every setting compiles its kernels (one the compiler refused would stop this with its error)."""
+    """The plan's launch-settings stages: the segmented linear kernels (one sequence of 16 heads at 32k, cut by the
+    rule; 8 of 32 heads forced into segments, at 4k here: a kernel's key holds the heads, not T, so 8 × 32 × 32k
+    need not be in memory; the packed rows, linear and decayed), then the sweeps (linear and decayed kernels, the
+    delta rule's scans and per-chunk kernels at T=8k): every setting compiles its kernels (one the compiler refused
+    would stop this with its error)."""
     import bench_triton_gpu
     bench_triton_gpu.DEV = "cpu"
     results = {}
+    bench_triton_gpu.segments(results, shapes=((1, 16, 0),))
+    bench_triton_gpu.segments(results, T=4096, shapes=((8, 32, 32),))
+    bench_triton_gpu.packed_segments(results)
     bench_triton_gpu.sweep(results)
     bench_triton_gpu.sweep_delta(results)
 
@@ -234,23 +240,32 @@ def main(argv=None) -> int:
 
 def pack(cache: Path, archive: Path) -> None:
     """``cache`` as the archive the plan unpacks into the device's cache folder: a group file names its kernel's
-    files by absolute path, which Triton checks, so those paths become the device's (``DEVICE_CACHE_DIR``)."""
+    files by absolute path, which Triton checks, so those paths become the device's (``DEVICE_CACHE_DIR``; a
+    kernel's files sit beside its group file, wherever the cache was built or copied). Written beside the archive
+    first, so a failure leaves the last archive as it was."""
     archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.parent / f".{archive.name}.partial"  # not a name the plan's `triton.tgz.*` would read
+    try:
+        with tarfile.open(partial, "w:gz") as tar:
+            for path in sorted(cache.rglob("*")):
+                name = "./" + str(path.relative_to(cache))
+                if not (path.is_file() and path.name.startswith("__grp__")):
+                    tar.add(path, arcname=name, recursive=False)
+                    continue
+                group = json.loads(path.read_text())
+                folder = f"{DEVICE_CACHE_DIR}/{path.parent.relative_to(cache)}"
+                group["child_paths"] = {child: f"{folder}/{Path(at).name}"
+                                        for child, at in group["child_paths"].items()}
+                data = json.dumps(group).encode()
+                info = tar.gettarinfo(path, arcname=name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     for stale in archive.parent.glob("triton.tgz.*"):  # parts of an earlier archive would be read after this one
         stale.unlink()
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(cache.rglob("*")):
-            name = "./" + str(path.relative_to(cache))
-            if not (path.is_file() and path.name.startswith("__grp__")):
-                tar.add(path, arcname=name, recursive=False)
-                continue
-            group = json.loads(path.read_text())
-            group["child_paths"] = {child: f"{DEVICE_CACHE_DIR}/{Path(at).relative_to(cache.resolve())}"
-                                    for child, at in group["child_paths"].items()}
-            data = json.dumps(group).encode()
-            info = tar.gettarinfo(path, arcname=name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    partial.rename(archive)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,41 @@ def test_it_refuses_a_triton_whose_cache_the_device_would_not_read(tmp_path):
     done = subprocess.run([sys.executable, "tools/warm_triton_cache.py", "--cache", str(tmp_path)], cwd=REPO,
                           env=without_interpreter(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "3.6.0" in done.stderr and triton.__version__ in done.stderr
+
+
+PACK = """
+import sys
+from pathlib import Path
+sys.path.insert(0, "tools")
+import warm_triton_cache as warm
+try:
+    warm.pack(Path(sys.argv[1]), Path(sys.argv[2]))
+except ValueError as error:
+    sys.exit(f"refused: {error}")
+"""
+
+
+def test_a_copied_cache_packs_for_the_device_and_a_failed_pack_keeps_the_last_archive(tmp_path):
+    pytest.importorskip("triton")
+    cache, gpucache = tmp_path / "copy", tmp_path / "gpucache"
+    (cache / "KEY").mkdir(parents=True)
+    (cache / "KEY" / "k.cubin").write_bytes(b"cubin")
+    # copied from the folder it was built in: the group still names that folder's files
+    (cache / "KEY" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.cubin": "/built/here/KEY/k.cubin"}}))
+    gpucache.mkdir()
+    (gpucache / "triton.tgz.b").write_bytes(b"a part of an earlier archive")
+    pack = [sys.executable, "-c", PACK, str(cache), str(gpucache / "triton.tgz.a")]
+    done = subprocess.run(pack, cwd=REPO, env=without_interpreter(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(path.name for path in gpucache.iterdir()) == ["triton.tgz.a"]
+    with tarfile.open(gpucache / "triton.tgz.a") as tar:
+        group = json.load(tar.extractfile("./KEY/__grp__k.json"))
+        assert tar.extractfile("./KEY/k.cubin").read() == b"cubin"
+    assert group["child_paths"] == {"k.cubin": "/tmp/triton_cache/KEY/k.cubin"}
+
+    packed = (gpucache / "triton.tgz.a").read_bytes()
+    (cache / "KEY" / "__grp__k.json").write_text("{ not json")
+    done = subprocess.run(pack, cwd=REPO, env=without_interpreter(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "refused" in done.stderr
+    assert sorted(path.name for path in gpucache.iterdir()) == ["triton.tgz.a"]
+    assert (gpucache / "triton.tgz.a").read_bytes() == packed
