@@ -43,6 +43,7 @@ from triton.backends.driver import DriverBase  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from pretrain.atomic import atomic_path  # noqa: E402
 from pretrain.cli_help import HelpFormatter  # noqa: E402
 
 DEVICE_TRITON = "3.6.0"  # the H200 image's (torch 2.11.0+cu130)
@@ -241,11 +242,10 @@ def main(argv=None) -> int:
 def pack(cache: Path, archive: Path) -> None:
     """``cache`` as the archive the plan unpacks into the device's cache folder: a group file names its kernel's
     files by absolute path, which Triton checks, so those paths become the device's (``DEVICE_CACHE_DIR``; a
-    kernel's files sit beside its group file, wherever the cache was built or copied). Written beside the archive
-    first, so a failure leaves the last archive as it was."""
+    kernel's files sit beside its group file, wherever the cache was built or copied). Written whole or not at all,
+    so a failure leaves the last archive as it was."""
     archive.parent.mkdir(parents=True, exist_ok=True)
-    partial = archive.parent / f".{archive.name}.partial"  # not a name the plan's `triton.tgz.*` would read
-    try:
+    with atomic_path(archive) as partial:
         with tarfile.open(partial, "w:gz") as tar:
             for path in sorted(cache.rglob("*")):
                 name = "./" + str(path.relative_to(cache))
@@ -260,12 +260,9 @@ def pack(cache: Path, archive: Path) -> None:
                 info = tar.gettarinfo(path, arcname=name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    for stale in archive.parent.glob("triton.tgz.*"):  # parts of an earlier archive would be read after this one
-        stale.unlink()
-    partial.rename(archive)
+        for stale in archive.parent.glob("triton.tgz.*"):  # parts of an earlier archive would be read after this one
+            if stale not in (archive, partial):
+                stale.unlink()
 
 
 if __name__ == "__main__":
