@@ -1,5 +1,8 @@
 """Softmax attention: the fast forms (SDPA, one masked call, varlen_attn, flash-attn) against the definition and SDPA
 per document, RoPE, and the `softmax` mixer."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -285,3 +288,15 @@ def test_packed_benchmark_reports_every_impl_beside_sdpa_per_document(load_tool,
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row[1].strip() for row in rows[1:]] == ["sdpa", "masked", "naive"]
     assert all(float(row[3]) < 1e-5 for row in rows[1:])  # each form's output matches SDPA per document
+
+
+@pytest.mark.dist
+def test_a_model_imports_and_runs_without_loading_torchs_compiler():
+    """varlen_attn is imported at its first call: importing it loads TorchDynamo and sympy, about a second at the
+    start of every tool (eval, export, generate) that never calls it."""
+    code = ("import sys, torch; from pretrain.config import ModelConfig; from pretrain.models.lm import build_lm; "
+            "lm = build_lm(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, mixer='softmax')); "
+            "lm(torch.randint(0, 64, (1, 16))).sum().backward(); "
+            "print(*(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == []

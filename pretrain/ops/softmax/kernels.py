@@ -7,6 +7,7 @@ documents (``torch.nn.attention.varlen.varlen_attn``, CUDA). ``flash``: flash-at
 grids by; None reads it from ``cu_seqlens`` (one host sync).
 """
 import functools
+import importlib.util
 import inspect
 
 import torch
@@ -19,13 +20,17 @@ try:
 except ImportError:  # CPU machines and GPUs without the package: SDPA
     flash_attn_func = flash_attn_varlen_func = None
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # a torch before the varlen API
-    varlen_attn = None
-
 flash_available = flash_attn_func is not None
-varlen_available = varlen_attn is not None
+# absent in a torch before the varlen API; imported at its first call, as importing it imports torch's compiler
+# (TorchDynamo and sympy: ~1 s at the start of every process, most of which never call it)
+varlen_available = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+@functools.cache
+def _varlen_attn():
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
 
 
 def sdpa(q, k, v, causal, cu_seqlens=None, max_seqlen=None):
@@ -50,12 +55,12 @@ def masked(q, k, v, causal, cu_seqlens=None, max_seqlen=None):
 
 def varlen(q, k, v, causal, cu_seqlens=None, max_seqlen=None):
     """PyTorch's flash kernel over the packed documents in one call (rows unpacked: each row a document)."""
-    if varlen_attn is None:
+    if not varlen_available:
         raise ValueError("impl='varlen' needs torch.nn.attention.varlen.varlen_attn, which this torch lacks")
     if q.device.type == "cpu":
         raise ValueError("impl='varlen' is PyTorch's CUDA flash kernel; on CPU use impl='sdpa' or 'masked'")
     cu, max_seqlen = _as_documents(q, cu_seqlens, max_seqlen)
-    out = varlen_attn(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), cu, cu, max_seqlen, max_seqlen,
+    out = _varlen_attn()(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), cu, cu, max_seqlen, max_seqlen,
                       **_varlen_causal(causal))
     return out.view(v.shape)
 
@@ -85,6 +90,6 @@ def _as_documents(q, cu_seqlens, max_seqlen):
 def _varlen_causal(causal: bool) -> dict:
     """How this torch's ``varlen_attn`` is told to be causal: ``window_size=(-1, 0)`` in newer releases,
     ``is_causal`` in the first ones."""
-    if "window_size" in inspect.signature(varlen_attn).parameters:
+    if "window_size" in inspect.signature(_varlen_attn()).parameters:
         return {"window_size": (-1, 0) if causal else (-1, -1)}
     return {"is_causal": causal}
