@@ -86,49 +86,41 @@ def test_torch_extensions_are_built_per_virtual_environment_unless_the_user_says
     assert use_extensions_dir() == str(tmp_path / "mine")
 
 
-BUILD_LIKE_TORCH = """
-import sys
-from torch.utils.cpp_extension import _run_ninja_build  # how torch builds an extension: `ninja` found on PATH
-from pretrain.distributed.process_group import environment_ninja
-with environment_ninja():
-    _run_ninja_build(sys.argv[1], verbose=False, error_prefix="build failed")
-"""
-NOTE = "import sys; from pretrain.distributed.process_group import comm_op_note; print(comm_op_note(sys.argv[1]))"
-
-
-def test_the_comm_op_built_by_one_way_of_starting_python_is_not_rebuilt_by_the_other(tmp_path):
+def test_the_comm_op_built_by_one_way_of_starting_python_is_not_rebuilt_by_the_other(tmp_path, monkeypatch):
     """A venv activated (its bin/ first on PATH: pip's ninja 1.13) or not (the system's ninja 1.11) ran different
-    ninjas, whose build logs differ, so each rebuilt DeepSpeed's comm op the other had built (85-110 s a time). A
-    stand-in op (one copy rule, as quick to build) is built by torch's own ninja call in one way and asked about in
-    the other: nothing to rebuild, both orders; a changed source is a rebuild, said."""
+    ninjas, whose build logs differ, so each rebuilt DeepSpeed's comm op the other had built (85-110 s a time). What
+    differs between the two ways is PATH alone: a stand-in op (one copy rule, as quick to build) is built by torch's
+    own ninja call under one PATH and asked about under the other: nothing to rebuild, both orders; a changed source
+    is a rebuild, said."""
     import os
-    import subprocess
     import sys
 
-    from pretrain.distributed.process_group import COMM_OP
+    from torch.utils.cpp_extension import _run_ninja_build  # how torch builds an extension: `ninja` found on PATH
 
-    from launching import REPO
+    from pretrain.distributed.process_group import COMM_OP, comm_op_note, environment_ninja
 
-    system_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
-                                  if p != os.path.dirname(sys.executable)) or "/usr/bin:/bin"
-    ways = {"plain": ([sys.executable], {"PATH": system_path}),
-            "activated": (["python"], {"PATH": os.pathsep.join([os.path.dirname(sys.executable), system_path]),
-                                       "VIRTUAL_ENV": sys.prefix})}
+    venv_bin = os.path.dirname(sys.executable)
+    system_path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin) or "/usr/bin:/bin"
+    paths = {"plain": system_path, "activated": os.pathsep.join([venv_bin, system_path])}
 
-    def run(way: str, code: str, extensions) -> str:
-        argv, env = ways[way]
-        return subprocess.run(argv + ["-c", code, str(extensions)], cwd=REPO, capture_output=True, text=True,
-                              check=True, env={**os.environ, "PYTHONPATH": str(REPO), **env}).stdout.strip()
+    def build(way: str, directory) -> None:
+        monkeypatch.setenv("PATH", paths[way])
+        with environment_ninja():
+            _run_ninja_build(str(directory), verbose=False, error_prefix="build failed")
+
+    def note(way: str, extensions) -> str | None:
+        monkeypatch.setenv("PATH", paths[way])
+        return comm_op_note(str(extensions))
 
     for first, then in [("plain", "activated"), ("activated", "plain")]:
-        build = tmp_path / first / COMM_OP
-        build.mkdir(parents=True)
-        (build / "op.cpp").write_text("// the op\n")
-        (build / "build.ninja").write_text(f"rule copy\n  command = cp $in $out\nbuild {COMM_OP}.so: copy op.cpp\n")
-        run(first, BUILD_LIKE_TORCH, build)
-        assert (build / f"{COMM_OP}.so").exists()
-        assert run(then, NOTE, build.parent) == "None", f"built {first}, rebuilt {then}"
-        assert run(first, NOTE, build.parent) == "None"
-        later = (build / f"{COMM_OP}.so").stat().st_mtime + 10  # op.cpp + 10 s may not be (loaded)
-        os.utime(build / "op.cpp", (later, later))
-        assert "DeepSpeed rebuilds its CPU comm op" in run(then, NOTE, build.parent)
+        directory = tmp_path / first / COMM_OP
+        directory.mkdir(parents=True)
+        (directory / "op.cpp").write_text("// the op\n")
+        (directory / "build.ninja").write_text(f"rule copy\n  command = cp $in $out\nbuild {COMM_OP}.so: copy op.cpp\n")
+        build(first, directory)
+        assert (directory / f"{COMM_OP}.so").exists()
+        assert note(then, directory.parent) is None, f"built {first}, rebuilt {then}"
+        assert note(first, directory.parent) is None
+        later = (directory / f"{COMM_OP}.so").stat().st_mtime + 10  # op.cpp + 10 s may not be (loaded)
+        os.utime(directory / "op.cpp", (later, later))
+        assert "DeepSpeed rebuilds its CPU comm op" in note(then, directory.parent)
