@@ -31,6 +31,7 @@ from pretrain.distributed import (
 from pretrain.distributed.engine import reapply_lr_schedule, step_with_grad_norm
 from pretrain.distributed.process_group import gone_ranks, lost_a_rank
 from pretrain.exit_codes import PREEMPTED
+from pretrain.host_memory import keep_freed_memory
 from pretrain.models.compile import compile_blocks
 from pretrain.scopes import BACKWARD, scope
 from pretrain.tasks import build_task
@@ -176,6 +177,8 @@ class Trainer:
         self.cfg, t = cfg, cfg.train
         self.world = split_sequences(init_process_group(cfg.parallel.collective_timeout_s),
                                      cfg.parallel.sequence_parallel)
+        if self.world.device.type == "cpu":  # the step's temporaries reuse freed memory, not fresh pages
+            keep_freed_memory()
         lock_note = run_lock.hold(Path(cfg.run.dir), self.world.is_main)  # before anything is written there
         pin_tokenizer(Path(cfg.run.dir), cfg.data.tokenizer, is_main=self.world.is_main,
                       resuming=checkpoint.latest_tag(Path(cfg.run.dir) / "checkpoints") is not None)
