@@ -4,7 +4,7 @@ PyTorch allocates CPU tensors with glibc's ``malloc``, which maps a block over i
 with what is freed to at most 32 MiB) fresh from the kernel and unmaps it on ``free``, and hands the top of its heap
 back once more than the trim threshold lies free there. A training step allocates and frees the same large
 temporaries every step, so every step faults each of their 4 KiB pages in again and has the kernel zero it: on a
-KDA recall run on CPU, 35–45 % of the process's time was the kernel's, and it grows as the run goes (larger
+KDA recall run on CPU, 30–44 % of the process's time was the kernel's, and it grows as the run goes (larger
 temporaries). With ``M_MMAP_MAX`` 0 and ``M_TRIM_THRESHOLD`` at its largest, every block comes from the heap and
 what is freed stays there for the next step: the process holds its peak instead of returning to it each step.
 """
