@@ -45,10 +45,14 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
                                                    F.logsigmoid(v[..., 1])),
     "kda_dplr": lambda q, k, v: kda_dplr(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., :1]), F.logsigmoid(v)),
     "kda": lambda q, k, v: kda_delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]), F.logsigmoid(v)),
+    "kda_fast_decay": lambda q, k, v: kda_delta_rule(q, F.normalize(k, dim=-1), v, torch.sigmoid(v[..., 0]),
+                                                     -3 * (1.5 * v).exp()),
 }
 # The delta rule's β and log-gate are read off two channels of v (differentiable, so backward reaches them; the
 # values do not change the work), its keys L2-normalized as the mixers do; KDA's per-channel gate is all of v's
 # (kda_dplr: through the general diagonal-plus-low-rank op; kda: its own entry, two products a chunk instead of four).
+# kda_fast_decay: log-decays of 3 a token in the median channel, past 20 in a tenth, as trained KDA layers have them
+# (the MQAR hybrid's fall by 49 over 16 tokens in the median channel): too steep to factor, each pair its own exponent.
 
 
 def kda_dplr(q, k, v, beta, g):

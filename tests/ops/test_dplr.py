@@ -86,9 +86,8 @@ def test_chunk_and_recurrent_match_naive_fp64(shape, regime, with_state):
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 11, 32, 64])
 def test_any_chunk_size_sub_chunks_and_one_chunk_per_block(monkeypatch, chunk_size):
-    """Chunks of one token, of a prime size (one sub-chunk below 8, sub-chunks of one above), of four and eight
-    sub-chunks of 8 with documents
-    straddling them, longer than the documents; and blocks of a single chunk (each recomputed on its own)."""
+    """Chunks of one token, of prime sizes (leaves padded to a power of two), of 32 and 64 with documents straddling
+    their sub-chunks, longer than the documents; and blocks of a single chunk (each recomputed on its own)."""
     cu = [0, 1, 2, 5, 13, 16, 29, 45, 50, 90]
     inputs = make_inputs(1, 90, "kda_mixed", seed=3)
     state = random_state(len(cu) - 1).requires_grad_()
@@ -188,12 +187,15 @@ def test_a_runs_map_and_its_combine_rule():
     torch.testing.assert_close(M_both, M, **TOL)
 
 
-@pytest.mark.parametrize("spread, sub_chunk", [(300.0, 32), (6.0, 8), (-1.0, None)],
-                         ids=["factored_whole", "factored_quarters", "pair_by_pair"])
-def test_moderate_gates_factored_or_pair_by_pair(monkeypatch, spread, sub_chunk):
-    """Gates in (−1, 0) factor through a whole chunk of 32, or (allowed a spread of 6) through its quarters, products
-    between them; with factoring refused, each pair's own exponent gives the same. The sub-chunk each case takes is
-    checked, so that none of them silently stops covering its path."""
+@pytest.mark.parametrize("spread, chunk_size, leaf", [(300.0, 32, 32), (6.0, 32, 8), (-1.0, 32, 1), (8.0, 15, 5),
+                                                     (8.0, 45, 9), (-1.0, 11, 1)],
+                         ids=["factored_whole", "factored_quarters", "single_tokens", "three_leaves_padded",
+                              "five_leaves_padded", "eleven_tokens_padded"])
+def test_moderate_gates_factored_or_single_tokens(monkeypatch, spread, chunk_size, leaf):
+    """Gates in (−1, 0) factor through a whole chunk of 32, or (allowed a spread of 6) through its quarters, the tree's
+    levels above them; with factoring refused, leaves of single tokens and every level give the same; leaves whose
+    count is not a power of two are padded to one. The leaf each case takes is checked, so that none of them silently
+    stops covering its path."""
     from pretrain.ops.dplr import chunk as dplr_chunk_module
 
     cu = torch.tensor([0, 1, 2, 5, 13, 16, 29, 45])
@@ -207,9 +209,9 @@ def test_moderate_gates_factored_or_pair_by_pair(monkeypatch, spread, sub_chunk)
         return taken[-1]
 
     monkeypatch.setattr(dplr_chunk_module, "_factored_sub_chunk", recorded)
-    assert_same(run_with_grads(dplr_delta_rule, inputs, None, impl="chunk", cu_seqlens=cu, chunk_size=32), want,
-                f"spread {spread}")
-    assert set(taken) == {sub_chunk}, taken
+    assert_same(run_with_grads(dplr_delta_rule, inputs, None, impl="chunk", cu_seqlens=cu, chunk_size=chunk_size),
+                want, f"spread {spread}, chunk {chunk_size}")
+    assert set(taken) == {leaf}, taken
 
 
 @pytest.mark.parametrize("gates", [(-1e-3, 0.0), (-20.0, -19.0)], ids=["near_0", "near_-20"])

@@ -14,16 +14,19 @@ each token's read ``u_t = S_{t−1}ᵀ b_t`` is a lower-triangular system in the
 
 The gated delta rule's chunked form (``delta_rule/chunk.py``) with one more term, and per-channel decay in the
 products: ``P`` is no longer a masked matrix product times a C×C decay. Each ``P`` (b's with b's rows shifted up by
-one, then the result shifted back down) is built block by block of sub-chunks, every block a matrix product:
+one, then the result shifted back down) is built as a binary tree of sub-chunks, every block a matrix product:
 
-* a sub-chunk with itself, through its first token f, ``e^{D_i − D_f} · e^{D_f − D_j}``, when the log-decay moves
-  by at most ``FACTORED_SPREAD`` (40 in fp32) across every sub-chunk of the block, so no factor overflows; the
-  sub-chunks are then as long as that allows (the whole chunk, half of it, …, 8 tokens). Otherwise (gates near
-  −20 per channel, as trained KDA layers have them) sub-chunks of 8 whose pairs each get their own exponent,
-  ``C·8·Dk`` exponentials a chunk (8 rather than 16 halves them and their temporaries for a few more products
-  between sub-chunks: 2–2.5× faster, forward and backward);
-* a sub-chunk with an earlier one, through the decay at the earlier one's last token r,
-  ``e^{D_i − D_j} = e^{D_i − D_r} · e^{D_r − D_j}``: both factors ≤ 1 when the gates are ≤ 0, exact at any gate.
+* the leaves, sub-chunks with themselves, through their first token f, ``e^{D_i − D_f} · e^{D_f − D_j}``: as long
+  as the log-decay moves by at most ``FACTORED_SPREAD`` (40 in fp32) across every leaf, so that no factor
+  overflows (the whole chunk, half of it, …; single tokens when the gates are steep, as trained KDA layers have
+  them: a token with itself has no decay);
+* at each level above, every later half with its earlier sibling, through the decay at the earlier one's last
+  token r, ``e^{D_i − D_j} = e^{D_i − D_r} · e^{D_r − D_j}``: both factors ≤ 1 when the gates are ≤ 0, exact at any
+  gate. Each pair (i, j) meets once, where its tokens part; a level's blocks are one batched product.
+
+A chunk whose count of leaves is not a power of two is padded to one (padded tokens masked off). Every token is
+scaled twice per level, so steep gates cost ``2·log₂(C)·C·Dk`` exponentials a chunk, not the ``C²·Dk`` of forming
+each pair's own.
 
 KDA's case (``kda_chunk``: ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k``) needs only ``P^{q·k}`` and ``P^{k·k}``.
 
@@ -44,7 +47,6 @@ from ..linear_attention.runs import gather_runs
 from ..precision import upcast
 from ..recompute import in_blocks
 
-SUB_CHUNK = 8  # the shortest sub-chunk that factors, the longest whose pairwise decays are formed one by one
 # how far the log-decay may fall inside every sub-chunk of a block (per channel, across documents) for its pairs to
 # factor through the sub-chunk's first token: each factor within e^{±spread}, their products far from overflow
 FACTORED_SPREAD = {torch.float32: 40.0, torch.float64: 300.0}
@@ -74,36 +76,35 @@ def _chunked(inputs, products, *, cu_seqlens, initial_state, output_final_state,
     zeros = tokens[0].new_zeros(1, heads, dk, dv)
     given = zeros.expand(layout.num_docs, -1, -1, -1) if initial_state is None else initial_state.to(zeros.dtype)
     initial = torch.cat([given, zeros])  # row N: what follows the last document
-    sub = max(size for size in range(1, min(SUB_CHUNK, chunk_size) + 1) if chunk_size % size == 0)
     blocks = layout.blocks(heads, max(dk, dv))
     block = partial(_block, has_initial=initial_state is not None, want_final=output_final_state, layout=layout,
-                    sub=sub, products=products)
+                    products=products)
     o, _, finals = in_blocks(block, blocks, chunk_size, tokens, initial[layout.first_doc], initial)
     o = o.view(batch, length, heads, -1).to(dtype)
     return (o, torch.cat(finals)) if output_final_state else o
 
 
-def _general_products(Q, K, parts, G, D, same_doc, before, sub):
+def _general_products(Q, K, parts, G, D, same_doc, before):
     """``(P^{qa}, P^{qk}, P^{ba}, P^{bk}, B ⊙ e^{D⁻}, A, K)`` of a chunk, ``parts`` its a and b."""
     A, B = parts
     # b_t reads the state before its own decay: its products are those of b_t in row t − 1, shifted down a row
     B_next = F.pad(B[..., 1:, :], (0, 0, 0, 1))
-    (P_qa, P_qk), shifted = decayed_products([Q, B_next], D, [A, K], same_doc, sub)
+    (P_qa, P_qk), shifted = decayed_products([Q, B_next], D, [A, K], same_doc)
     P_ba, P_bk = (torch.where(before, F.pad(P[..., :-1, :], (0, 0, 1, 0)), 0.0) for P in shifted)
     return P_qa, P_qk, P_ba, P_bk, B * (before.to(G.dtype) @ G).exp(), A, K
 
 
-def _kda_products(Q, K, parts, G, D, same_doc, before, sub):
+def _kda_products(Q, K, parts, G, D, same_doc, before):
     """The same for KDA (``parts``: β ``[n, H, C, 1]``): with keys ``β k``, ``P^{qk} = P^{q·k} β_j = −P^{qa}``, and
     ``b_t e^{D⁻_t} = k_t e^{D_t}`` makes ``P^{bk} = P^{k·k} β_j = −P^{ba}`` below the diagonal; None stands for
     those negatives (the block then multiplies once: ``P^{qk} (V − U)``)."""
     (beta,) = parts
-    (P_qk,), (P_kk,) = decayed_products([Q, K], D, [K], same_doc, sub) * beta.mT
+    (P_qk,), (P_kk,) = decayed_products([Q, K], D, [K], same_doc) * beta.mT
     write = beta * K
     return None, P_qk, None, torch.where(before, P_kk, 0.0), K * D.exp(), -write, write
 
 
-def _block(lo: int, hi: int, q, k, v, *rest, has_initial, want_final, layout: _Layout, sub: int, products):
+def _block(lo: int, hi: int, q, k, v, *rest, has_initial, want_final, layout: _Layout, products):
     """Chunks ``lo … hi-1`` from ``entering`` (the state of chunk lo's first document before it; ``rest`` ends with
     it and the initial states) → their outputs as ``[(hi − lo)·C, H, Dv]`` rows, the state entering chunk hi and,
     when ``want_final``, the final states of the documents ending in them."""
@@ -114,7 +115,7 @@ def _block(lo: int, hi: int, q, k, v, *rest, has_initial, want_final, layout: _L
     reads = layout.reads_state[lo:hi]  # [n, 1, C, 1]: the token continues the chunk's first document
     feeds = layout.feeds_next[lo:hi]  # its document runs into the next chunk
     D = same_doc.to(G.dtype) @ G  # [n, H, C, Dk]
-    P_qa, P_qk, P_ba, P_bk, B_read, A, K = products(Q, K, parts, G, D, same_doc, before, sub)
+    P_qa, P_qk, P_ba, P_bk, B_read, A, K = products(Q, K, parts, G, D, same_doc, before)
     rhs = torch.cat([P_bk @ V, B_read], dim=-1)
     lower = P_bk if P_ba is None else -P_ba
     U, W = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True).split(
@@ -147,51 +148,59 @@ def _block(lo: int, hi: int, q, k, v, *rest, has_initial, want_final, layout: _L
                                             layout, lo, hi)
 
 
-def decayed_products(Xs, D, Ys, mask, sub: int) -> torch.Tensor:
+def decayed_products(Xs, D, Ys, mask) -> torch.Tensor:
     """``P[x, y, …, i, j] = Σ_c Xs[x]_ic Ys[y]_jc e^{D_ic − D_jc}`` where ``mask [n, 1, C, C]`` allows (one document,
     j ≤ i), 0 elsewhere, for ``Xs``, ``Ys`` lists of ``[n, H, C, Dk]`` and ``D`` summed from the document's start,
-    gates ≤ 0. Built block by block of sub-chunks (i's, j's), all the x's and y's in one matrix product per block.
+    gates ≤ 0. A binary tree of sub-chunks (module docstring), all the x's and y's in one matrix product per level.
     Exponents that may be large are clamped to ≤ 0 before ``exp`` (the pairs allowed have them so already; the others
     are masked off after)."""
     n, heads, size, dk = D.shape
-    factored = _factored_sub_chunk(D, sub)
-    sub = factored or sub
-    count, nx, ny = size // sub, len(Xs), len(Ys)
-    X_b, Y_b = (torch.stack(t, 2).view(n, heads, -1, count, sub, dk).transpose(2, 3) for t in (Xs, Ys))
-    D_b = D.view(n, heads, count, sub, dk)  # X_b, Y_b: [n, H, m, X or Y, s, Dk]
-    if factored:  # through each sub-chunk's first token f: e^{D_i − D_f} · e^{D_f − D_j}, no factor overflows
-        spread = (D_b - D_b[..., :1, :])[:, :, :, None]
-        inner = (X_b * spread.exp()).flatten(3, 4) @ (Y_b * (-spread).exp()).flatten(3, 4).mT  # [n, H, m, X·s, Y·s]
-    else:  # each pair's exponent on its own, laid out [j, i] so that j batches the products
-        decay = (D_b[..., None, :, :] - D_b[..., :, None, :]).clamp(max=0).exp()  # [n, H, m, j, i, Dk]
-        weighted = X_b[:, :, :, None] * decay[:, :, :, :, None]  # [n, H, m, j, X, i, Dk]
-        inner = (weighted.flatten(4, 5) @ Y_b.permute(0, 1, 2, 4, 5, 3)).view(n, heads, count, sub, nx * sub, ny)
-        inner = inner.permute(0, 1, 2, 4, 5, 3).reshape(n, heads, count, nx * sub, ny * sub)
-    diagonal = torch.arange(count, device=D.device)
-    blocks, rows, columns = [inner], [diagonal], [diagonal]
-    if count > 1:  # i's sub-chunk after j's: through the decay at j's sub-chunk's last token r, two factors ≤ 1
-        later, earlier = torch.tril_indices(count, count, -1, device=D.device)
-        ref = D_b[:, :, earlier, -1:]  # [n, H, pairs, 1, Dk]
-        left = X_b[:, :, later] * (D_b[:, :, later] - ref).clamp(max=0).exp()[:, :, :, None]
-        right = Y_b[:, :, earlier] * (ref - D_b[:, :, earlier]).clamp(max=0).exp()[:, :, :, None]
-        blocks.append(left.flatten(3, 4) @ right.flatten(3, 4).mT)
-        rows.append(later)
-        columns.append(earlier)
-    values = torch.cat(blocks, dim=2).movedim(2, 0)  # [blocks, n, H, X·s, Y·s]
-    grid = values.new_zeros(count, count, *values.shape[1:]).index_put((torch.cat(rows), torch.cat(columns)), values)
-    grid = grid.view(count, count, n, heads, nx, sub, ny, sub).permute(4, 6, 2, 3, 0, 5, 1, 7)
-    return torch.where(mask, grid.reshape(nx, ny, n, heads, size, size), 0.0)
+    leaf = _factored_sub_chunk(D)
+    padded = leaf << (size // leaf - 1).bit_length()  # a power of two leaves
+    X, Y = torch.stack(Xs, 3), torch.stack(Ys, 3)  # [n, H, C, X or Y, Dk]: a token's rows side by side
+    if padded > size:
+        X, Y = (F.pad(t, (0, 0, 0, 0, 0, padded - size)) for t in (X, Y))
+        D = torch.cat([D, D[..., -1:, :].expand(-1, -1, padded - size, -1)], dim=2)
+    D = D[..., None, :]  # [n, H, C, 1, Dk]: the same decay for all of a token's rows
+    grid = X.new_zeros(n, heads, padded, len(Xs), padded, len(Ys))
+    count = padded // leaf
+    D_l, X_l, Y_l = (t.unflatten(2, (count, leaf)) for t in (D, X, Y))
+    if leaf > 1:  # through each leaf's first token f: e^{D_i − D_f} · e^{D_f − D_j}, no factor overflows
+        spread = D_l - D_l[:, :, :, :1]
+        X_l, Y_l = X_l * spread.exp(), Y_l * (-spread).exp()
+    _place(grid, X_l, Y_l, later=0, earlier=0)  # a single token with itself has no decay
+    half = leaf
+    while half < padded:  # each later half with its earlier sibling, through the decay at the earlier one's last token
+        D_h, X_h, Y_h = (t.unflatten(2, (padded // (2 * half), 2, half)) for t in (D, X, Y))
+        ref = D_h[:, :, :, 0, -1:]  # [n, H, m, 1, 1, Dk]
+        left = X_h[:, :, :, 1] * (D_h[:, :, :, 1] - ref).clamp(max=0).exp()
+        right = Y_h[:, :, :, 0] * (ref - D_h[:, :, :, 0]).clamp(max=0).exp()
+        _place(grid, left, right, later=1, earlier=0)
+        half *= 2
+    return torch.where(mask, grid.permute(3, 5, 0, 1, 2, 4)[..., :size, :size], 0.0)
 
 
-def _factored_sub_chunk(D, smallest: int) -> int | None:
-    """The longest sub-chunk (a multiple of ``smallest`` dividing C) across which ``D [n, H, C, Dk]`` moves by at most
-    ``FACTORED_SPREAD`` in every channel, or None: its pairs may factor through its first token."""
+def _place(grid, left, right, *, later: int, earlier: int):
+    """Writes ``left @ rightᵀ`` (``[n, H, m, s, X or Y, Dk]``: m blocks of s tokens) into ``grid [n, H, P, X, P, Y]``,
+    block b at rows ``b·P/m + later·s`` and columns ``b·P/m + earlier·s`` (a tree level's sibling halves)."""
+    n, heads, count, rows, nx, dk = left.shape
+    ny, padded = right.shape[4], grid.shape[2]
+    block = left.reshape(n, heads, count, rows * nx, dk) @ right.reshape(n, heads, count, rows * ny, dk).mT
+    parts = padded // (count * rows)
+    blocks = grid.view(n, heads, count, parts, rows, nx, count, parts, rows, ny).diagonal(dim1=2, dim2=6)
+    block = block.view(n, heads, count, rows, nx, rows, ny).permute(0, 1, 3, 4, 5, 6, 2)
+    blocks[:, :, later, :, :, earlier].copy_(block)
+
+
+def _factored_sub_chunk(D) -> int:
+    """The longest sub-chunk (a divisor of C) across which ``D [n, H, C, Dk]`` moves by at most ``FACTORED_SPREAD`` in
+    every channel: its pairs may factor through its first token. One token always does."""
     *lead, size, dk = D.shape
-    for sub in (d for d in range(size, smallest - 1, -1) if size % d == 0 and d % smallest == 0):
+    for sub in (d for d in range(size, 1, -1) if size % d == 0):
         blocks = D.detach().view(*lead, size // sub, sub, dk)
         if float((blocks - blocks[..., :1, :]).abs().amax()) <= FACTORED_SPREAD[D.dtype]:
             return sub
-    return None
+    return 1
 
 
 def _final_states(keys, values, D, states, initial, layout: _Layout, lo: int, hi: int) -> torch.Tensor:
