@@ -25,8 +25,9 @@ one, then the result shifted back down) is built as a binary tree of sub-chunks,
   gate. Each pair (i, j) meets once, where its tokens part; a level's blocks are one batched product.
 
 A chunk whose count of leaves is not a power of two is padded to one (padded tokens masked off). Every token is
-scaled twice per level, so steep gates cost ``2·log₂(C)·C·Dk`` exponentials a chunk, not the ``C²·Dk`` of forming
-each pair's own.
+scaled once per level (in a later half or an earlier one), so steep gates cost ``log₂(C)·C·Dk`` exponentials a
+chunk, not the ``C·16·Dk`` of giving each pair of a 16-token sub-chunk its own (2.4× faster,
+benchmarks/dplr_ops_cpu.md).
 
 KDA's case (``kda_chunk``: ``a = −β k``, ``b = e^g ⊙ k``, keys ``β k``) needs only ``P^{q·k}`` and ``P^{k·k}``.
 
@@ -168,7 +169,7 @@ def decayed_products(Xs, D, Ys, mask) -> torch.Tensor:
     if leaf > 1:  # through each leaf's first token f: e^{D_i − D_f} · e^{D_f − D_j}, no factor overflows
         spread = D_l - D_l[:, :, :, :1]
         X_l, Y_l = X_l * spread.exp(), Y_l * (-spread).exp()
-    _place(grid, X_l, Y_l, later=0, earlier=0)  # a single token with itself has no decay
+    _place(grid, X_l, Y_l, later=0, earlier=0)  # each leaf with itself (a single token has no decay)
     half = leaf
     while half < padded:  # each later half with its earlier sibling, through the decay at the earlier one's last token
         D_h, X_h, Y_h = (t.unflatten(2, (padded // (2 * half), 2, half)) for t in (D, X, Y))
