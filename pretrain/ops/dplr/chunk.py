@@ -48,8 +48,8 @@ from ..linear_attention.runs import gather_runs
 from ..precision import upcast
 from ..recompute import in_blocks
 
-# how far the log-decay may fall inside every sub-chunk of a block (per channel, across documents) for its pairs to
-# factor through the sub-chunk's first token: each factor within e^{±spread}, their products far from overflow
+# how far the log-decay may fall inside every leaf of the tree (per channel, across documents) for its pairs to
+# factor through the leaf's first token: each factor within e^{±spread}, their products far from overflow
 FACTORED_SPREAD = {torch.float32: 40.0, torch.float64: 300.0}
 
 
