@@ -52,7 +52,8 @@ OPS = {  # op-level kernels, (q, k, v) [B, T, H, D] -> [B, T, H, D]
 # values do not change the work), its keys L2-normalized as the mixers do; KDA's per-channel gate is all of v's
 # (kda_dplr: through the general diagonal-plus-low-rank op; kda: its own entry, two products a chunk instead of four).
 # kda_fast_decay: log-decays of 3 a token in the median channel, past 20 in a tenth, as trained KDA layers have them
-# (the MQAR hybrid's fall by 49 over 16 tokens in the median channel): too steep to factor, each pair its own exponent.
+# (the MQAR hybrid's fall by 49 over 16 tokens in the median channel): too steep to factor through any sub-chunk, so
+# the products' tree (ops/dplr/chunk.py) runs from single-token leaves.
 
 
 def kda_dplr(q, k, v, beta, g):
