@@ -13,10 +13,11 @@ instead of rows:
     O = (Q ⊙ e^D) S + P^{qk} Δ,   S ← e^{D_C} ⊙ S + (K ⊙ e^{D_C − D})ᵀ Δ      (e^{D_C} per row of S)
 
 Kernels, every block of chunks one autograd Function (``_Block``, run by the delta rule's ``run_in_blocks``):
-- the products, one program per (chunk, head, sub-chunk of 16 rows), in ``dplr/chunk.py``'s way: against an
-  earlier sub-chunk through the decay at its last token r, ``e^{D_i − D_r} · e^{D_r − D_j}`` (both ≤ 1, exact at any
-  gate), and within the sub-chunk each pair with its own exponent (a loop over its 16 columns); exponents clamped
-  ≤ 0 before ``exp``, pairs masked after. No host check of the gates' size, nothing overflows at any gate ≤ 0.
+- the products, one program per (chunk, head, sub-chunk of 16 rows), as ``dplr/chunk.py`` built them before its
+  tree of sub-chunks: against an earlier sub-chunk through the decay at its last token r,
+  ``e^{D_i − D_r} · e^{D_r − D_j}`` (both ≤ 1, exact at any gate), and within the sub-chunk each pair with its own
+  exponent (a loop over its 16 columns); exponents clamped ≤ 0 before ``exp``, pairs masked after. No host check of
+  the gates' size, nothing overflows at any gate ≤ 0.
   From the same loads it writes what the UT transform and the scan read besides: ``Q ⊙ e^D``, ``K ⊙ e^D`` and
   ``K ⊙ e^{D_C − D}`` (D and ``D_C − D`` are cumulative sums, batched);
 - the UT transform, one program per (chunk, head): A by forward substitution (the delta rule's), W, U;
