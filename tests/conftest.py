@@ -4,7 +4,8 @@ changed for the tests after it.
 
 Without a GPU, Triton kernels run under its CPU interpreter. ``TRITON_INTERPRET`` is read when Triton is first
 imported, and torch imports it on the way (``torch.utils.flop_counter`` does): so it is set here, before any test
-module is collected, not in the Triton tests themselves.
+module is collected, not in the Triton tests themselves. Under pytest-xdist each worker takes its share of the cores
+for torch's threads (``share_the_cores_among_workers``).
 """
 import importlib.util
 import os
@@ -16,6 +17,63 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def share_the_cores_among_workers() -> None:
+    """Under pytest-xdist each worker would start a thread per core for torch's ops: two workers on two cores ran
+    the in-process tests 2-3x slower than with a thread each (each one's threads waiting on the other's). So each
+    worker, and every process its tests start, gets its share of the cores, unless ``OMP_NUM_THREADS`` says
+    otherwise."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
+share_the_cores_among_workers()
+
+
+def patch_triton_language_once_per_launch() -> None:
+    """Triton's CPU interpreter patches ``triton.language`` when a kernel launches, and again at every call of a
+    ``@triton.jit`` helper inside the kernel (3.x's ``InterpretedFunction.__call__``): ``inspect.getmembers`` of each
+    language module, ~1 ms a call, 30,000 calls and a third of the time of the linear kernel's tests. Inside a launch
+    that has patched every language module the helper sees, the second patch finds nothing left to patch, and is
+    skipped here. A Triton without these internals is left as it is."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang, executor = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None:
+        return
+    launch, language = executor.__call__, (interpreter.tl, interpreter.tl.core)
+    running = {"launch": False, "patched": None}  # during a launch, the language modules it patched
+
+    def languages(fn) -> set[int]:
+        return {id(value) for value in fn.__globals__.values() if any(value is module for module in language)}
+
+    def patch_unless_patched(fn):
+        if running["patched"] is not None and languages(fn) <= running["patched"]:
+            return None  # a helper's call inside the launch (which ignores what this returns)
+        scope = patch_lang(fn)
+        if running["launch"] and running["patched"] is None:  # the launch's own patch, before its kernel runs
+            running["patched"] = languages(fn)
+        return scope
+
+    def launch_patching_once(self, *args, **kwargs):
+        running["launch"] = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            running.update(launch=False, patched=None)
+
+    interpreter._patch_lang = patch_unless_patched
+    executor.__call__ = launch_patching_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_triton_language_once_per_launch()
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -61,3 +119,12 @@ def load_tool():
         return module
 
     return load
+
+
+def pytest_collection_modifyitems(items):
+    """Files whose tests start processes (marked ``dist``) run first: they are the long ones, and a long file handed
+    out last keeps one core busy while the other has run out of work. pytest-xdist hands files out in this order only
+    with ``--no-loadscope-reorder`` (the Makefile's); by default it starts with the files of the most tests, the
+    short in-process ones, and ended on a sweep or a training file."""
+    starting_processes = {item.path for item in items if item.get_closest_marker("dist")}
+    items.sort(key=lambda item: item.path not in starting_processes)
